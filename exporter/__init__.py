@@ -1,0 +1,1 @@
+"""The PyTorch side: drafters (``exporter.speculative``), tracing, compare, bench and the CLIs."""

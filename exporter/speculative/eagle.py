@@ -1,0 +1,215 @@
+"""EAGLE drafters: EAGLE-1 (last hidden state) and EAGLE-3 (fused multi-layer hidden states).
+
+Notation: f_t is the base hidden state at position t, x_t the token at t. The drafter at position t
+reads (f_t, x_{t+1}) and predicts f_{t+1}; its logits predict x_{t+2}.
+
+EAGLE-1::
+
+    h = fc(cat(embed(x_{t+1}), f_t))            fc: 2H -> H (bias)
+    out = decoder_layers(h)                      layers of the base's own architecture
+    logits = base.lm_head(out)                   f_t is the base's post-norm hidden
+
+EAGLE-3::
+
+    g = fc(cat(f_t^(l1), f_t^(l2), f_t^(l3)))    fc: 3H -> H, hidden states of 3 base layers
+    out = layer0(cat(norm(embed(x_{t+1})), norm(g)) -> 2H attention, residual g) [+ more layers]
+    logits = lm_head(norm(out))                  own head over a draft vocabulary (d2t maps back)
+
+When drafting further, ``out`` replaces g/f (the drafter feeds itself). Layouts follow ModelOpt
+(``eagle_module.fc``, ``eagle_module.layers.{i}``, ``eagle_module.d2t``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exporter.modeling import NewRowsCache, mask_to_bias, run_layers
+from exporter.speculative.config import EagleConfig
+
+
+def drafter_layer_config(base_config, cfg: EagleConfig):
+    """The HF config the drafter's decoder layers are built from."""
+    c = copy.deepcopy(base_config)
+    c.num_hidden_layers = cfg.eagle_num_layers
+    for k, v in cfg.layer_overrides.items():
+        setattr(c, k, v)
+    if getattr(c, "layer_types", None) is not None:
+        c.layer_types = ["full_attention"] * cfg.eagle_num_layers
+    c._attn_implementation = "eager"
+    return c
+
+
+class Eagle3FirstLayer(nn.Module):
+    """A base decoder layer whose attention reads cat(norm(embedding), norm(hidden)) (2H)."""
+
+    def __init__(self, layer_config, arch):
+        super().__init__()
+        layer = arch.decoder_layer_cls(layer_config, 0)
+        h = layer_config.hidden_size
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.self_attn = attn
+        self.mlp = layer.mlp
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.hidden_norm = arch.rms_norm_cls(h, eps=layer_config.rms_norm_eps)
+
+    def forward(self, emb, hidden, bias, position_ids, cache, position_embeddings):
+        residual = hidden
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2H)
+        attn, _ = self.self_attn(
+            hidden_states=x,
+            attention_mask=bias,
+            position_ids=position_ids,
+            past_key_values=cache,
+            position_embeddings=position_embeddings,
+        )
+        hidden = residual + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class EagleModule(nn.Module):
+    def __init__(self, cfg: EagleConfig, base_config, arch):
+        super().__init__()
+        h = base_config.hidden_size
+        self.eagle3 = cfg.use_aux_hidden_state
+        self.layer_config = drafter_layer_config(base_config, cfg)
+        n = cfg.eagle_num_layers
+        if self.eagle3:
+            n_aux = len(cfg.eagle_aux_hidden_state_layer_ids)
+            self.fc = nn.Linear(n_aux * h, h, bias=False)
+            layers = [Eagle3FirstLayer(self.layer_config, arch)]
+            layers += [arch.decoder_layer_cls(self.layer_config, i) for i in range(1, n)]
+            self.layers = nn.ModuleList(layers)
+            self.norm = arch.rms_norm_cls(h, eps=base_config.rms_norm_eps)
+            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+            # draft id d -> target id d + d2t[d] (SafeAILab/ModelOpt convention)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.fc = nn.Linear(2 * h, h, bias=True)
+            self.layers = nn.ModuleList(arch.decoder_layer_cls(self.layer_config, i) for i in range(n))
+            if not cfg.use_input_layernorm_in_first_layer:
+                self.layers[0].input_layernorm = nn.Identity()
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layer_config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.layer_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.d2t[ids] if self.eagle3 else ids
+
+    def step(self, base, hidden, input_ids, position_ids, attention_mask, past=None, aux_hidden=None):
+        """One drafting forward over S positions.
+
+        hidden (B, S1, H): f_t (EAGLE-1) or the drafter's own previous output; aux_hidden
+        (B, S0, n_aux*H): EAGLE-3 base layers, fused by fc and placed before ``hidden``.
+        input_ids (B, S): x_{t+1}. attention_mask bool (B, 1, S, P+S). ``base`` supplies the frozen
+        embeddings, rotary embedding and (EAGLE-1) lm_head.
+        Returns (out (B, S, H), logits (B, S, V_draft), new K/V per layer).
+        """
+        inner = base.model
+        emb = inner.embed_tokens(input_ids)  # (B, S, H)
+        cache = NewRowsCache(past)
+        bias = mask_to_bias(attention_mask, emb.dtype)
+        if self.eagle3:
+            h = hidden if aux_hidden is None else torch.cat([self.fc(aux_hidden), hidden], dim=1)
+            pos_emb = inner.rotary_emb(h, position_ids)
+            h = self.layers[0](emb, h, bias, position_ids, cache, pos_emb)
+            out = run_layers(self.layers[1:], h, pos_emb, bias, cache, position_ids)
+            logits = self.lm_head(self.norm(out))
+        else:
+            h = self.fc(torch.cat([emb, hidden], dim=-1))  # (B, S, H)
+            pos_emb = inner.rotary_emb(h, position_ids)
+            out = run_layers(self.layers, h, pos_emb, bias, cache, position_ids)
+            logits = base.lm_head(out)
+        return out, logits, cache.new_rows(len(self.layers))
+
+
+def _soft_ce(logits, target_probs):
+    return -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # (B, S)
+
+
+def _shifted(valid: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """(B, n) bool: entry t is valid[:, t + offset], False past the end."""
+    out = torch.zeros(valid.shape[0], n, dtype=torch.bool, device=valid.device)
+    hi = max(0, min(n, valid.shape[1] - offset))
+    out[:, :hi] = valid[:, offset : offset + hi]
+    return out
+
+
+def _masked_mean(x, valid):
+    valid = valid.to(x.dtype)
+    return (x * valid).sum() / valid.sum().clamp(min=1)
+
+
+def eagle_loss(module: EagleModule, cfg: EagleConfig, base, base_out, input_ids, valid):
+    """Drafter loss on one batch.
+
+    base_out = (logits (B,L,V), hidden (B,L,H), aux (B,L,n_aux*H) | None) from the frozen base;
+    valid (B, L) bool: True where token t may be a prediction target.
+    EAGLE-1: smooth-L1(out_t, f_{t+1}) * w + 0.1 * CE(p_base(. | t+1), q_t).
+    EAGLE-3: sum over TTT steps j of decay**j * CE(p_base(. | t+j+1), q_t^(j)) where step j feeds the
+    drafter its own step j-1 output; a query attends the real context (step 0 keys at <= t) and its
+    own chain (the diagonal of steps 1..j) exactly as it will at inference.
+    """
+    logits_b, hidden_b, aux_b = base_out
+    bsz, length = input_ids.shape
+    m = length - 1  # anchors t = 0..L-2 (x_{t+1} must exist)
+    if m < 1:
+        return hidden_b.new_zeros((), dtype=torch.float32, requires_grad=True)
+    device = input_ids.device
+    t = torch.arange(m, device=device)
+    target_p = F.softmax(logits_b.float(), dim=-1)  # (B, L, V)
+    if module.eagle3 and module.lm_head.out_features != target_p.shape[-1]:
+        target_ids = torch.arange(module.lm_head.out_features, device=device) + module.d2t
+        target_p = target_p[..., target_ids]
+        target_p = target_p / target_p.sum(-1, keepdim=True).clamp(min=1e-9)
+
+    if not module.eagle3:
+        mask = (t[None, :] <= t[:, None]).expand(bsz, 1, m, m)
+        out, logits, _ = module.step(base, hidden_b[:, :m], input_ids[:, 1:], t.expand(bsz, m), mask)
+        reg = F.smooth_l1_loss(out.float(), hidden_b[:, 1:].float(), reduction="none").mean(-1)
+        ce = _soft_ce(logits, target_p[:, 1:])
+        reg_ok, ce_ok = _shifted(valid, 1, m), _shifted(valid, 2, m)
+        return cfg.eagle_hidden_loss_weight * _masked_mean(reg, reg_ok) + 0.1 * _masked_mean(ce, ce_ok)
+
+    total = hidden_b.new_zeros((), dtype=torch.float32)
+    past = None
+    prev_out = None
+    sizes: list[int] = []
+    for j in range(cfg.eagle_ttt_steps):
+        n = m - j
+        if n < 1:
+            break
+        tj = t[:n]
+        # keys: step 0 (m rows, causal: k <= t), then steps 1..j (diagonal: k == t), this step last
+        blocks = [t[None, :] <= tj[:, None]]
+        blocks += [t[None, :size] == tj[:, None] for size in [*sizes[1:], n][: j]]
+        mask = torch.cat(blocks, dim=1).expand(bsz, 1, n, -1)
+        pos = (tj + j).expand(bsz, n)
+        toks = input_ids[:, 1 + j : 1 + j + n]
+        if j == 0:
+            out, logits, new = module.step(base, hidden_b[:, :0], toks, pos, mask, None, aux_b[:, :n])
+        else:
+            out, logits, new = module.step(base, prev_out[:, :n], toks, pos, mask, past)
+        past = new if past is None else [
+            (torch.cat([pk, k], 2), torch.cat([pv, v], 2)) for (pk, pv), (k, v) in zip(past, new)
+        ]
+        sizes.append(n)
+        prev_out = out
+        # target: base distribution at position t+j+1 predicts x_{t+j+2}
+        tgt = target_p[:, 1 + j : 1 + j + n]
+        ok = _shifted(valid, 2 + j, n)
+        total = total + cfg.eagle_loss_decay**j * _masked_mean(_soft_ce(logits, tgt), ok)
+    return total

@@ -1,0 +1,73 @@
+"""Medusa heads: residual SiLU blocks on the base's last hidden state, one vocabulary head each.
+
+Head k (0-based) reads the hidden state at position t and predicts the token at t+k+2 (the base
+lm_head predicts t+1). Layout matches ModelOpt's (``medusa_heads.{k}.medusa_layers.{j}.linear``,
+``medusa_heads.{k}.lm_head``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exporter.speculative.config import MedusaConfig
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b); W starts at zero so a new head starts as the base lm_head."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+class MedusaHead(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, num_layers: int):
+        super().__init__()
+        # A fresh block per layer: `[ResBlock(h)] * n` would share one block's weights n times.
+        self.medusa_layers = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_layers))
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, hidden):
+        for block in self.medusa_layers:
+            hidden = block(hidden)
+        return self.lm_head(hidden)
+
+
+def build_medusa_heads(cfg: MedusaConfig, lm_head: nn.Linear) -> nn.ModuleList:
+    """``cfg.medusa_num_heads`` heads whose vocabulary projections start as copies of ``lm_head``."""
+    vocab, hidden = lm_head.weight.shape
+    heads = nn.ModuleList(MedusaHead(hidden, vocab, cfg.medusa_num_layers) for _ in range(cfg.medusa_num_heads))
+    with torch.no_grad():
+        for h in heads:
+            h.lm_head.weight.copy_(lm_head.weight)
+    return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+
+
+def medusa_logits(heads: nn.ModuleList, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden (B, S, H) -> logits (B, S, heads, V)."""
+    return torch.stack([h(hidden) for h in heads], dim=2)
+
+
+def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, decay: float) -> torch.Tensor:
+    """Cross-entropy of head k at position t against labels[t+k+2], weighted decay**k.
+
+    logits (B, S, heads, V); labels (B, S) with -100 where no loss is wanted.
+    """
+    total = logits.new_zeros((), dtype=torch.float32)
+    seq = labels.shape[1]
+    for k in range(logits.shape[2]):
+        shift = k + 2
+        if seq <= shift:
+            break
+        pred = logits[:, : seq - shift, k].float()  # (B, S-shift, V)
+        target = labels[:, shift:]  # (B, S-shift)
+        if (target != -100).any():
+            total = total + decay**k * F.cross_entropy(pred.flatten(0, 1), target.flatten(), ignore_index=-100)
+    return total

@@ -1,0 +1,238 @@
+"""The graph contract: every input and output name, dtype and symbolic dim, declared once.
+
+The exporter builds its ``input_names``/``output_names``/``dynamic_axes`` from these specs and
+writes them into ``manifest.json``; the runtime reads them back from the manifest. Nothing else in
+the project spells a graph I/O name.
+
+Symbolic dims::
+
+    batch         B   sequences decoded together
+    sequence      S   new positions in this call (prompt length, 1, or the tree size)
+    past_sequence P   positions already in the K/V cache
+    total_sequence    P + S (the attention mask's key axis)
+    topk          K   candidates per position (draft graph), a runtime input
+
+Base graph (one forward serves prefill, a one-token step and a whole tree)::
+
+    input_ids        int64 [B, S]
+    position_ids     int64 [B, S]          real positions (tree depth + cache length)
+    attention_mask   bool  [B, 1, S, P+S]  True = query row may attend key column
+    past_key_values.{i}.key / .value  float [B, kv_heads, P, head_dim]
+    ->
+    logits           float [B, S, vocab]
+    hidden_states    float [B, S, hidden]  last layer, after the final norm (what Medusa/EAGLE-1 read)
+    aux_hidden_states float [B, S, n_aux*hidden]  EAGLE-3 only: outputs of the chosen layers
+    present.{i}.key / .value  float [B, kv_heads, S, head_dim]  K/V of the S new positions only
+
+Draft graph, Medusa::
+
+    hidden_states float [B, S, hidden], topk int64 [1]
+    -> logits float [B, S, heads, vocab], topk_ids int64 [B, S, heads, K],
+       topk_logprobs float32 [B, S, heads, K]
+
+Draft graph, EAGLE (the drafter's own K/V cache; the same tree-mask convention as the base)::
+
+    hidden_states float [B, S1, hidden]        drafter's own output hidden (or, EAGLE-1, the base's)
+    aux_hidden_states float [B, S0, n_aux*hidden]  EAGLE-3 only; fused by the drafter's fc. Exactly
+                                               one of S0/S1 is non-zero in a call; S = S0 + S1.
+    input_ids int64 [B, S]                     the *next* token of each position
+    position_ids int64 [B, S], attention_mask bool [B, 1, S, P+S],
+    past_key_values.{i}.key / .value (drafter layers), topk int64 [1]
+    -> hidden_states_out float [B, S, hidden], logits float [B, S, draft_vocab],
+       topk_ids int64 [B, S, K] (already mapped to the target vocabulary),
+       topk_logprobs float32 [B, S, K], present.{i}.key / .value float [B, kv_heads, S, head_dim]
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+FORMAT_VERSION = 1
+
+# Symbolic dim names, used verbatim in the ONNX graphs and the manifest.
+BATCH = "batch"
+SEQ = "sequence"
+PAST = "past_sequence"
+TOTAL = "total_sequence"
+TOPK = "topk"
+AUX_SEQ = "aux_sequence"
+DRAFT_SEQ = "draft_sequence"
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+ATTENTION_MASK = "attention_mask"
+HIDDEN = "hidden_states"
+AUX_HIDDEN = "aux_hidden_states"
+HIDDEN_OUT = "hidden_states_out"
+LOGITS = "logits"
+TOPK_IN = "topk"
+TOPK_IDS = "topk_ids"
+TOPK_LOGPROBS = "topk_logprobs"
+
+
+def past_key(i: int) -> str:
+    return f"past_key_values.{i}.key"
+
+
+def past_value(i: int) -> str:
+    return f"past_key_values.{i}.value"
+
+
+def present_key(i: int) -> str:
+    return f"present.{i}.key"
+
+
+def present_value(i: int) -> str:
+    return f"present.{i}.value"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output. ``dims`` holds ints (fixed) or symbolic names (dynamic)."""
+
+    name: str
+    dtype: str  # numpy dtype name: "int64", "bool", "float32", "float16", "bfloat16"
+    dims: tuple[int | str, ...]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "dims": list(self.dims)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> TensorSpec:
+        return cls(name=d["name"], dtype=d["dtype"], dims=tuple(d["dims"]))
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """Inputs and outputs of one graph, in order."""
+
+    file: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        """torch.onnx.export's ``dynamic_axes`` for every symbolic dim."""
+        axes: dict[str, dict[int, str]] = {}
+        for t in (*self.inputs, *self.outputs):
+            sym = {i: d for i, d in enumerate(t.dims) if isinstance(d, str)}
+            if sym:
+                axes[t.name] = sym
+        return axes
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+    def output(self, name: str) -> TensorSpec:
+        return next(t for t in self.outputs if t.name == name)
+
+    def to_json(self) -> dict:
+        return {
+            "file": self.file,
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> GraphSpec:
+        return cls(
+            file=d["file"],
+            inputs=tuple(TensorSpec.from_json(t) for t in d["inputs"]),
+            outputs=tuple(TensorSpec.from_json(t) for t in d["outputs"]),
+        )
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes a graph contract depends on (written to the manifest as ``model``)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str = "float32"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _kv_specs(prefix_in: bool, num_layers: int, kv_heads: int, head_dim: int, dtype: str, seq: str):
+    specs = []
+    for i in range(num_layers):
+        k, v = (past_key(i), past_value(i)) if prefix_in else (present_key(i), present_value(i))
+        specs.append(TensorSpec(k, dtype, (BATCH, kv_heads, seq, head_dim)))
+        specs.append(TensorSpec(v, dtype, (BATCH, kv_heads, seq, head_dim)))
+    return specs
+
+
+def base_graph_spec(dims: ModelDims, n_aux: int = 0, file: str = "base.onnx") -> GraphSpec:
+    """The base model: tokens + tree mask + past K/V -> logits, hidden states, new K/V."""
+    inputs = [
+        TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)),
+        TensorSpec(POSITION_IDS, "int64", (BATCH, SEQ)),
+        TensorSpec(ATTENTION_MASK, "bool", (BATCH, 1, SEQ, TOTAL)),
+        *_kv_specs(True, dims.num_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, PAST),
+    ]
+    outputs = [
+        TensorSpec(LOGITS, dims.dtype, (BATCH, SEQ, dims.vocab_size)),
+        TensorSpec(HIDDEN, dims.dtype, (BATCH, SEQ, dims.hidden_size)),
+    ]
+    if n_aux:
+        outputs.append(TensorSpec(AUX_HIDDEN, dims.dtype, (BATCH, SEQ, n_aux * dims.hidden_size)))
+    outputs += _kv_specs(False, dims.num_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, SEQ)
+    return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(outputs))
+
+
+def medusa_graph_spec(dims: ModelDims, num_heads: int, file: str = "draft.onnx") -> GraphSpec:
+    """Medusa heads: hidden -> per-head logits and top-k."""
+    inputs = (
+        TensorSpec(HIDDEN, dims.dtype, (BATCH, SEQ, dims.hidden_size)),
+        TensorSpec(TOPK_IN, "int64", (1,)),
+    )
+    outputs = (
+        TensorSpec(LOGITS, dims.dtype, (BATCH, SEQ, num_heads, dims.vocab_size)),
+        TensorSpec(TOPK_IDS, "int64", (BATCH, SEQ, num_heads, TOPK)),
+        TensorSpec(TOPK_LOGPROBS, "float32", (BATCH, SEQ, num_heads, TOPK)),
+    )
+    return GraphSpec(file=file, inputs=inputs, outputs=outputs)
+
+
+def eagle_graph_spec(
+    dims: ModelDims,
+    draft_layers: int,
+    draft_vocab_size: int,
+    n_aux: int = 0,
+    file: str = "draft.onnx",
+) -> GraphSpec:
+    """EAGLE drafter: one autoregressive step over S positions with its own K/V cache.
+
+    ``dims`` are the drafter's attention dims (kv heads and head dim of its layers), with the
+    base's hidden size.
+    """
+    hidden_seq = DRAFT_SEQ if n_aux else SEQ  # EAGLE-3: S = aux_sequence + draft_sequence
+    inputs = [TensorSpec(HIDDEN, dims.dtype, (BATCH, hidden_seq, dims.hidden_size))]
+    if n_aux:
+        inputs.append(TensorSpec(AUX_HIDDEN, dims.dtype, (BATCH, AUX_SEQ, n_aux * dims.hidden_size)))
+    inputs += [
+        TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)),
+        TensorSpec(POSITION_IDS, "int64", (BATCH, SEQ)),
+        TensorSpec(ATTENTION_MASK, "bool", (BATCH, 1, SEQ, TOTAL)),
+        *_kv_specs(True, draft_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, PAST),
+        TensorSpec(TOPK_IN, "int64", (1,)),
+    ]
+    outputs = [
+        TensorSpec(HIDDEN_OUT, dims.dtype, (BATCH, SEQ, dims.hidden_size)),
+        TensorSpec(LOGITS, dims.dtype, (BATCH, SEQ, draft_vocab_size)),
+        TensorSpec(TOPK_IDS, "int64", (BATCH, SEQ, TOPK)),
+        TensorSpec(TOPK_LOGPROBS, "float32", (BATCH, SEQ, TOPK)),
+        *_kv_specs(False, draft_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, SEQ),
+    ]
+    return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(outputs))

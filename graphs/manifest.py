@@ -1,0 +1,128 @@
+"""``manifest.json``: the one description of an export that the runtime reads.
+
+Written by the exporter, read by :func:`graphs.load`. It names every graph with its full I/O
+contract (:mod:`graphs.contract`), the source model's sizes, the drafter and its default tree, the
+tool versions, and a sha256 of every file so that a tampered or truncated artifact is caught
+before a session is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from graphs.contract import FORMAT_VERSION, GraphSpec
+
+MANIFEST = "manifest.json"
+
+
+class ArtifactError(ValueError):
+    """An export directory that cannot be used (missing, tampered, wrong format)."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class Manifest:
+    """Everything the runtime needs to know about ``out_dir``.
+
+    ``source``: architecture, model_type, num_layers, hidden_size, vocab_size, num_kv_heads,
+    head_dim, max_position_embeddings, dtype. ``drafter``: None (base only) or a dict with
+    ``kind`` ("medusa" | "eagle") and its sizes and config. ``tree``: the default tree
+    (``{"medusa_paths": [...]}`` or ``{"eagle": {"topk", "depth", "total_tokens"}}``).
+    ``generation``: eos/bos/pad token ids. ``files``: relative path -> sha256.
+    """
+
+    source: dict
+    graphs: dict[str, GraphSpec]
+    drafter: dict | None = None
+    tree: dict = field(default_factory=dict)
+    generation: dict = field(default_factory=dict)
+    tokenizer: str | None = None
+    opset: int = 17
+    versions: dict = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    validation: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        return {
+            "format_version": self.format_version,
+            "source": self.source,
+            "drafter": self.drafter,
+            "graphs": {k: g.to_json() for k, g in self.graphs.items()},
+            "tree": self.tree,
+            "generation": self.generation,
+            "tokenizer": self.tokenizer,
+            "opset": self.opset,
+            "versions": self.versions,
+            "validation": self.validation,
+            "files": self.files,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Manifest:
+        if d.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(
+                f"manifest format_version {d.get('format_version')!r} is not supported "
+                f"(this runtime reads {FORMAT_VERSION}); re-export with this version of the exporter"
+            )
+        return cls(
+            source=d["source"],
+            graphs={k: GraphSpec.from_json(g) for k, g in d["graphs"].items()},
+            drafter=d.get("drafter"),
+            tree=d.get("tree", {}),
+            generation=d.get("generation", {}),
+            tokenizer=d.get("tokenizer"),
+            opset=d.get("opset", 17),
+            versions=d.get("versions", {}),
+            files=d.get("files", {}),
+            validation=d.get("validation", {}),
+        )
+
+    def write(self, out_dir: Path) -> Path:
+        """Hash every file in ``out_dir`` (except the manifest) and write the manifest."""
+        out_dir = Path(out_dir)
+        self.files = {
+            p.relative_to(out_dir).as_posix(): sha256_file(p)
+            for p in sorted(out_dir.rglob("*"))
+            if p.is_file() and p.name != MANIFEST
+        }
+        path = out_dir / MANIFEST
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, out_dir: Path, verify: bool = True) -> Manifest:
+        out_dir = Path(out_dir)
+        path = out_dir / MANIFEST
+        if not out_dir.is_dir():
+            raise ArtifactError(f"{out_dir} is not a directory; pass the out_dir written by exporter.export")
+        if not path.is_file():
+            raise ArtifactError(f"{path} not found; {out_dir} is not an export (run python -m exporter.export)")
+        try:
+            manifest = cls.from_json(json.loads(path.read_text()))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ArtifactError(f"{path} is not a valid manifest ({e}); re-export the model") from None
+        if verify:
+            manifest.verify(out_dir)
+        return manifest
+
+    def verify(self, out_dir: Path) -> None:
+        """Raise ArtifactError if a listed file is missing or its sha256 differs."""
+        for rel, digest in self.files.items():
+            p = Path(out_dir) / rel
+            if not p.is_file():
+                raise ArtifactError(f"{p} is listed in the manifest but missing; re-export the model")
+            if sha256_file(p) != digest:
+                raise ArtifactError(
+                    f"{p} does not match its sha256 in the manifest (modified or truncated); re-export the model"
+                )
