@@ -12,7 +12,7 @@ from exporter.speculative.convert import convert, is_converted
 
 __all__ = ["EagleConfig", "MedusaConfig", "convert", "is_converted"]
 
-from exporter.speculative.checkpoint import (  # noqa: E402
+from exporter.speculative.checkpoint import (
     disable_huggingface_checkpointing,
     enable_huggingface_checkpointing,
     load_drafter,

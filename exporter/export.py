@@ -1,0 +1,300 @@
+"""Export a HF causal LM and its drafter to ONNX graphs with tree-attention inputs.
+
+    python -m exporter.export model_dir out_dir [--drafter PATH] [--dtype float32] [--overwrite]
+
+Writes ``base.onnx`` (and ``draft.onnx`` when there is a drafter), ``manifest.json`` and the
+tokenizer files into ``out_dir``. The export is built in a temporary directory beside
+``out_dir``, checked against PyTorch (:mod:`exporter.compare`) and moved into place only when
+complete: a failed export leaves nothing behind and an existing ``out_dir`` is replaced only with
+``--overwrite``. Without ``model_dir`` it builds the project's demo model first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from exporter.loading import UserError, load_model
+from exporter.trace import OPSET, TORCH_DTYPES, aux_layer_ids, export_graph, graph_specs
+from graphs.manifest import Manifest
+
+# Files copied from model_dir so that the runtime can tokenize and stop without transformers.
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+EXTERNAL_DATA_BYTES = 1 << 31  # protobuf's 2 GB limit: larger graphs keep weights in one .data file
+
+DEFAULT_EAGLE_TREE = {"topk": 4, "depth": 4, "total_tokens": 12}  # small trees pay off on CPUs
+
+
+class Steps:
+    """Timed progress lines: ``[2/5] trace base graph ... 3.1 s``."""
+
+    def __init__(self, total: int, log=print):
+        self.total, self.n, self.log = total, 0, log
+
+    def __call__(self, what: str):
+        self.n += 1
+        return _Step(f"[{self.n}/{self.total}] {what}", self.log)
+
+
+class _Step:
+    def __init__(self, label, log):
+        self.label, self.log = label, log
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        self.log(f"{self.label} ...", flush=True)
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        dt = time.perf_counter() - self.t0
+        self.log(f"{self.label} {'done' if exc_type is None else 'FAILED'} in {dt:.1f} s", flush=True)
+        return False
+
+
+def _prepare_out_dir(out_dir: Path, overwrite: bool) -> Path:
+    """Refuse a non-empty out_dir without --overwrite; return a fresh temp dir beside it."""
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise UserError(f"out_dir {out_dir} exists and is not a directory; pick another path")
+        if any(out_dir.iterdir()) and not overwrite:
+            raise UserError(f"out_dir {out_dir} is not empty; pass --overwrite to replace it")
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+    except OSError as e:
+        raise UserError(f"out_dir {out_dir} is not writable ({e.strerror}); choose a writable location") from None
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    backup = None
+    if out_dir.exists():
+        backup = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        out_dir.rename(backup)
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        if backup is not None:
+            backup.rename(out_dir)
+        raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+def _trace_one(model, role, spec, tmp: Path, opset: int) -> None:
+    """Trace into a scratch dir, then store as one .onnx (+ one .onnx.data if over 2 GB)."""
+    import onnx
+
+    scratch = tmp / f"_trace_{role}"
+    scratch.mkdir()
+    path = export_graph(model, role, spec, scratch / spec.file, opset=opset)
+    size = sum(f.stat().st_size for f in scratch.iterdir())
+    if size < EXTERNAL_DATA_BYTES and len(list(scratch.iterdir())) == 1:
+        path.rename(tmp / spec.file)
+    else:
+        proto = onnx.load(str(path))
+        onnx.save(proto, str(tmp / spec.file), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=f"{spec.file}.data", size_threshold=1024)
+        del proto
+    shutil.rmtree(scratch)
+
+
+def describe_source(model, dtype: str) -> dict:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {
+        "architecture": (cfg.architectures or [type(model).__name__])[0],
+        "model_type": cfg.model_type,
+        "num_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_kv_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "dtype": dtype,
+        "parameters": sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("medusa", "eagle"))),
+    }
+
+
+def describe_drafter(model) -> tuple[dict | None, dict]:
+    """(manifest ``drafter`` entry, default ``tree``)."""
+    from graphs.trees import default_medusa_paths
+
+    mode = getattr(model, "spec_mode", None)
+    if mode is None:
+        return None, {}
+    cfg = model.config.speculative_decoding["config"]
+    n_params = sum(p.numel() for p in model.drafter.parameters())
+    if mode == "medusa":
+        n = len(model.medusa_heads)
+        return ({"kind": "medusa", "num_heads": n, "parameters": n_params, "config": cfg},
+                {"medusa_paths": default_medusa_paths(n)})
+    mod = model.eagle_module
+    entry = {
+        "kind": "eagle",
+        "eagle3": mod.eagle3,
+        "num_layers": len(mod.layers),
+        "num_kv_heads": mod.num_kv_heads,
+        "head_dim": mod.head_dim,
+        "draft_vocab_size": mod.lm_head.out_features if mod.eagle3 else model.config.vocab_size,
+        "aux_layer_ids": list(aux_layer_ids(model)),
+        "parameters": n_params,
+        "config": cfg,
+    }
+    return entry, {"eagle": dict(DEFAULT_EAGLE_TREE)}
+
+
+def _generation(model_dir: Path, model) -> dict:
+    import json
+
+    cfg = model.config
+    gen = {}
+    f = model_dir / "generation_config.json"
+    if f.is_file():
+        gen = json.loads(f.read_text())
+    eos = gen.get("eos_token_id", cfg.eos_token_id)
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return {
+        "eos_token_ids": eos,
+        "bos_token_id": gen.get("bos_token_id", cfg.bos_token_id),
+        "pad_token_id": gen.get("pad_token_id", cfg.pad_token_id),
+    }
+
+
+def _versions() -> dict:
+    import onnx
+    import onnxruntime
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__}
+
+
+def export(
+    model_dir,
+    out_dir,
+    *,
+    drafter=None,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    opset: int = OPSET,
+    validate: bool = True,
+    log=print,
+) -> Manifest:
+    """Export ``model_dir`` into ``out_dir``; returns the manifest written there."""
+    if dtype not in TORCH_DTYPES:
+        raise UserError(f"unknown --dtype {dtype!r}; accepted: {', '.join(TORCH_DTYPES)}")
+    model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
+    if out_dir.resolve() == model_dir.resolve():
+        raise UserError("out_dir must differ from model_dir")
+    tmp = _prepare_out_dir(out_dir, overwrite)
+    steps = Steps(5, log)
+    try:
+        with steps(f"load {model_dir}"):
+            model = load_model(model_dir, drafter=drafter)
+        traced = model if dtype == "float32" else copy.deepcopy(model).to(TORCH_DTYPES[dtype])
+        specs = graph_specs(model, dtype)
+        drafter_entry, tree = describe_drafter(model)
+        if drafter_entry is None:
+            log("note: no drafter in this model: exporting the base graph alone (autoregressive decoding)")
+        with steps("trace base graph"):
+            _trace_one(traced, "base", specs["base"], tmp, opset)
+        with steps("trace draft graph" if "draft" in specs else "trace draft graph (none: base only)"):
+            if "draft" in specs:
+                _trace_one(traced, "draft", specs["draft"], tmp, opset)
+        del traced
+        manifest = Manifest(
+            source=describe_source(model, dtype),
+            graphs=specs,
+            drafter=drafter_entry,
+            tree=tree,
+            generation=_generation(model_dir, model),
+            opset=opset,
+            versions=_versions(),
+        )
+        for name in COPIED_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, tmp / name)
+        manifest.tokenizer = "tokenizer.json" if (tmp / "tokenizer.json").is_file() else None
+        with steps("check ONNX Runtime against PyTorch"):
+            if validate:
+                from exporter.compare import compare_model
+
+                report = compare_model(model, tmp, manifest=manifest)
+                manifest.validation = {"ok": report.ok, "dtype": report.dtype, "device": report.device,
+                                       "max_abs": {f"{r.graph}/{r.case}/{r.output}": r.max_abs for r in report.rows}}
+                if not report.ok:
+                    log(report.table())
+                    bad = report.failures()[0]
+                    raise UserError(
+                        f"exported {bad.graph} graph disagrees with PyTorch: {bad.output} in case {bad.case} "
+                        f"max abs error {bad.max_abs:.3g} > {bad.limit:.3g}; nothing was written"
+                    )
+        with steps(f"write {out_dir}"):
+            manifest.write(tmp)
+            _move_into_place(tmp, out_dir)
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def default_paths() -> tuple[Path, Path]:
+    return Path("spec-demo/model"), Path("spec-demo/onnx")
+
+
+def main(argv=None) -> int:
+    from exporter.cli import run_cli
+
+    ap = argparse.ArgumentParser(prog="python -m exporter.export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", nargs="?", help="HF model directory (default: build the demo model)")
+    ap.add_argument("out_dir", nargs="?", help="where to write the export (must be empty or absent)")
+    ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3 files)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+    ap.add_argument("--opset", type=int, default=OPSET)
+    ap.add_argument("--no-validate", action="store_true", help="skip the PyTorch-vs-ONNX check (not advised)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = ap.parse_args(argv)
+
+    def body():
+        model_dir, out_dir = args.model_dir, args.out_dir
+        if model_dir is None:
+            model_dir, default_out = default_paths()
+            out_dir = out_dir or default_out
+            if not (model_dir / "config.json").is_file():
+                from exporter.demo import build_demo_model
+
+                print(f"no model_dir given: building the demo model in {model_dir}", flush=True)
+                build_demo_model(model_dir)
+        elif out_dir is None:
+            raise UserError("missing out_dir: python -m exporter.export model_dir out_dir")
+        t0 = time.perf_counter()
+        manifest = export(model_dir, out_dir, drafter=args.drafter, dtype=args.dtype,
+                          overwrite=args.overwrite, opset=args.opset, validate=not args.no_validate)
+        graphs = ", ".join(g.file for g in manifest.graphs.values())
+        print(f"exported {graphs} to {out_dir} in {time.perf_counter() - t0:.1f} s")
+        return 0
+
+    return run_cli(body, debug=args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

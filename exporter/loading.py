@@ -1,0 +1,86 @@
+"""Load a model directory for export: a HF causal LM, with its drafter, or with ``--drafter PATH``.
+
+Every failure becomes a :class:`UserError` with one line that names the problem and the fix. Weights
+load through safetensors (or ``torch.load(weights_only=True)`` inside transformers); remote code
+is never run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+class UserError(Exception):
+    """Bad input: printed as one line on stderr by the CLIs, exit code 2."""
+
+
+def _check_model_dir(model_dir: Path) -> dict:
+    if not model_dir.exists():
+        raise UserError(f"model_dir {model_dir} does not exist; pass a directory saved with save_pretrained")
+    if not model_dir.is_dir():
+        raise UserError(f"model_dir {model_dir} is not a directory; pass a directory saved with save_pretrained")
+    if not os.access(model_dir, os.R_OK | os.X_OK):
+        raise UserError(f"model_dir {model_dir} is not readable; check its permissions")
+    cfg = model_dir / "config.json"
+    if not cfg.is_file():
+        raise UserError(f"{model_dir} has no config.json: it is not a Hugging Face model directory")
+    try:
+        data = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{cfg} is not valid JSON ({e}); re-save the model") from None
+    weights = list(model_dir.glob("*.safetensors")) + list(model_dir.glob("*.bin"))
+    if not weights:
+        raise UserError(f"{model_dir} has no weights (*.safetensors or *.bin); save the model with save_pretrained")
+    return data
+
+
+def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote_code: bool = False):
+    """The PyTorch model to export: float32, eval mode, drafter attached if there is one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from exporter.arch import get_arch
+    from exporter.speculative.checkpoint import enable_huggingface_checkpointing
+
+    model_dir = Path(model_dir)
+    _check_model_dir(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise UserError(f"cannot read the config in {model_dir}: {_one_line(e)}") from None
+    try:
+        get_arch(config)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if drafter is not None and getattr(config, "speculative_decoding", None):
+        raise UserError(f"{model_dir} already holds a drafter; drop --drafter or export the plain base")
+    enable_huggingface_checkpointing()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+    except (ValueError, TypeError) as e:
+        raise UserError(f"cannot load {model_dir}: {_one_line(e)}") from None
+    except Exception as e:
+        raise UserError(
+            f"cannot load the weights in {model_dir} (corrupt or truncated?): {_one_line(e)}"
+        ) from None
+    if drafter is not None:
+        from exporter.speculative.importers import load_external_drafter
+
+        path = Path(drafter)
+        if not path.exists():
+            raise UserError(f"--drafter {path} does not exist")
+        try:
+            load_external_drafter(model, path)
+        except (ValueError, TypeError, OSError) as e:
+            raise UserError(f"drafter {path} does not fit {model_dir}: {_one_line(e)}") from None
+    return model.eval()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
