@@ -5,3 +5,7 @@ buffers (:mod:`graphs.trees`), acceptance rules (:mod:`graphs.sampling`) and the
 runtime (:mod:`graphs.runtime`). A service that loads exported graphs needs numpy, onnxruntime
 and tokenizers, nothing more.
 """
+
+from graphs.runtime import Decoder, GenerationResult, Stats, load  # noqa: E402
+
+__all__ = ["Decoder", "GenerationResult", "Stats", "load"]

@@ -1,0 +1,87 @@
+"""K/V cache buffers for the runtime (host memory, numpy).
+
+Each layer's K and V live in one contiguous buffer ``(B, kv_heads, capacity, head_dim)`` that is
+passed to the graph whole, so ONNX Runtime reads it without a copy. Which columns hold a real
+token is a per-sequence boolean row ``valid (B, capacity)``: the attention mask is built from it,
+so sequences that accepted different numbers of tokens simply leave holes (masked columns) and
+all sequences share one write pointer. Capacity grows in buckets (amortised copy).
+
+After a verify step the accepted rows of the graph's ``present`` output (K/V of the new positions)
+are moved into place with one gather per buffer::
+
+    cache[:, :, w : w + A] = take_along_axis(present, idx (B, A))     # idx: accepted node indices
+    valid[b, w : w + count[b]] = True                                  # the rest of b's A are holes
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphs import contract as C
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype, bucket: int = 64):
+        self.num_layers, self.batch, self.kv_heads, self.head_dim = num_layers, batch, kv_heads, head_dim
+        self.dtype = np.dtype(dtype)
+        self.bucket = bucket
+        self.capacity = 0
+        self.w = 0  # write pointer: columns [0, w) are written (valid or holes)
+        self.keys = [self._alloc(0) for _ in range(num_layers)]
+        self.values = [self._alloc(0) for _ in range(num_layers)]
+        self.valid = np.zeros((batch, 0), dtype=bool)  # (B, capacity)
+
+    def _alloc(self, cap: int) -> np.ndarray:
+        # zeros, not empty: masked columns are still multiplied by softmax weights of 0
+        return np.zeros((self.batch, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
+
+    def reserve(self, extra: int) -> None:
+        """Make room for ``extra`` more columns beyond the write pointer."""
+        need = self.w + extra
+        if need <= self.capacity:
+            return
+        cap = -(-need // self.bucket) * self.bucket
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                new = self._alloc(cap)
+                new[:, :, : self.w] = old[:, :, : self.w]
+                bufs[i] = new
+        valid = np.zeros((self.batch, cap), dtype=bool)
+        valid[:, : self.w] = self.valid[:, : self.w]
+        self.valid = valid
+        self.capacity = cap
+
+    def feed(self, names: tuple[list[str], list[str]] | None = None) -> dict[str, np.ndarray]:
+        """The past inputs of a graph: ``past_key_values.{i}.key/value`` -> whole buffers."""
+        feed = {}
+        for i in range(self.num_layers):
+            feed[C.past_key(i)] = self.keys[i]
+            feed[C.past_value(i)] = self.values[i]
+        return feed
+
+    def past_mask(self) -> np.ndarray:
+        """(B, capacity) bool: the columns each sequence may attend."""
+        return self.valid
+
+    def append(self, presents: list[np.ndarray], idx: np.ndarray, counts: np.ndarray) -> int:
+        """Write accepted rows of the new positions; returns the first column written.
+
+        presents: the graph's ``present.{i}.key, present.{i}.value`` in layer order, (B, kv, S, hd)
+        idx (B, A) int: which of the S new positions go to columns w..w+A-1 (pad with any index)
+        counts (B,) int: how many of those A are real for each sequence (the rest are holes)
+        """
+        a = idx.shape[1]
+        self.reserve(a)
+        w = self.w
+        gather = idx[:, None, :, None]  # (B, 1, A, 1) broadcast over heads and head_dim
+        for i in range(self.num_layers):
+            self.keys[i][:, :, w : w + a] = np.take_along_axis(presents[2 * i], gather, axis=2)
+            self.values[i][:, :, w : w + a] = np.take_along_axis(presents[2 * i + 1], gather, axis=2)
+        self.valid[:, w : w + a] = np.arange(a)[None, :] < counts[:, None]
+        self.w = w + a
+        return w
+
+    def truncate(self, w: int) -> None:
+        """Forget every column from ``w`` on (temporary draft-tree rows)."""
+        self.valid[:, w : self.w] = False
+        self.w = w

@@ -1,0 +1,553 @@
+"""The draft-verify loop on ONNX Runtime, from an export directory alone (no torch, no transformers).
+
+    decoder = graphs.load("out_dir", provider="auto")
+    result = decoder.generate("def main(", max_new_tokens=64)
+    result.text, result.token_ids, result.stats.mean_accepted_length
+
+One decode step, speculative (``mode="speculative"``, the default when the export has a drafter)::
+
+    draft   Medusa: heads on the last hidden state -> top-k per head -> static tree of candidates
+            EAGLE:  drafter over the newly accepted tokens, then `depth` drafter calls growing an
+                    EAGLE-2 dynamic tree (best `total_tokens` nodes by cumulative log-probability)
+    verify  one base forward over the whole tree (tree mask, positions = cache length + depth)
+    accept  walk the tree with the base's own choices: greedy, lossless rejection sampling, or
+            Medusa's typical acceptance; emit the accepted tokens plus one bonus token
+    commit  one gather moves the accepted nodes' K/V rows into the cache; nothing is recomputed
+
+Every step emits ``len(accepted)`` >= 1 tokens, so greedy output equals plain greedy decoding of
+the base token for token; ``mean_accepted_length`` (tau) is tokens per base forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from graphs import contract as C
+from graphs.kv import KVCache
+from graphs.manifest import Manifest
+from graphs.sampling import greedy_accept, process_logits, sample_accept, typical_accept
+from graphs.sessions import make_session, resolve_provider
+from graphs.trees import DynamicTreeBuilder, Tree, default_medusa_paths, load_tree_file, medusa_tree
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # base forwards after prefill
+    accepted: list[int] = field(default_factory=list)  # tokens emitted per (step, live sequence)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_total: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return float(np.mean(self.accepted)) if self.accepted else 0.0
+
+    @property
+    def time_host(self) -> float:
+        return max(0.0, self.time_total - self.time_prefill - self.time_draft - self.time_verify)
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = self.time_total - self.time_prefill
+        return self.new_tokens / decode if decode > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "mean_accepted_length": self.mean_accepted_length,
+            "accepted_histogram": np.bincount(self.accepted).tolist() if self.accepted else [],
+            "tokens_per_s": self.tokens_per_s,
+            "time_prefill": self.time_prefill,
+            "time_draft": self.time_draft,
+            "time_verify": self.time_verify,
+            "time_host": self.time_host,
+            "time_total": self.time_total,
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "eos" | "stop" | "length"
+    stats: Stats
+
+
+@dataclass
+class StreamEvent:
+    index: int  # which prompt of the batch
+    token_ids: list[int]  # tokens accepted this step
+    text: str  # their text ("" without a tokenizer)
+
+
+@dataclass
+class _Seq:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)  # emitted
+    done: str | None = None
+    text: str = ""
+
+
+class Decoder:
+    """Sessions built once from ``manifest.json``; ``generate``/``stream`` run the decode loop."""
+
+    def __init__(self, out_dir, provider: str = "auto", threads: int | None = None,
+                 optimization: str = "all", verify: bool = True):
+        self.out_dir = Path(out_dir)
+        self.manifest = Manifest.read(self.out_dir, verify=verify)
+        self.provider = resolve_provider(provider)
+        m = self.manifest
+        self.base_spec = m.graphs["base"]
+        self.draft_spec = m.graphs.get("draft")
+        self.base = make_session(self.out_dir / self.base_spec.file, self.provider, threads, optimization)
+        self.draft = (make_session(self.out_dir / self.draft_spec.file, self.provider, threads, optimization)
+                      if self.draft_spec else None)
+        self.drafter = m.drafter
+        self.kind = m.drafter["kind"] if m.drafter else None
+        self.dtype = np.dtype(self.base_spec.output(C.LOGITS).dtype)
+        self.eos = set(m.generation.get("eos_token_ids") or [])
+        self.pad = m.generation.get("pad_token_id") or 0
+        self.max_positions = int(m.source.get("max_position_embeddings") or 1 << 30)
+        self.tokenizer = None
+        if m.tokenizer:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(self.out_dir / m.tokenizer))
+        self.default_tree = m.tree
+        self._base_outputs = self.base_spec.output_names
+        self._n_layers = m.source["num_layers"]
+        self.last_stats: Stats | None = None  # of the last generate/stream run
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, stop=None, mode: str = "auto", tree=None, acceptance: str = "lossless",
+                 seed: int | None = None):
+        """Decode ``prompt`` (a string, a list of token ids, or a list of either for a batch).
+
+        Returns a :class:`GenerationResult` (a list of them for a batch); ``stats`` are shared by
+        the batch. ``mode``: "auto" (speculative if the export has a drafter), "speculative",
+        "autoregressive". ``tree``: Medusa paths (list or JSON file) or EAGLE
+        ``{"topk", "depth", "total_tokens"}``; default from the manifest. ``acceptance`` when
+        sampling: "lossless" (rejection sampling, keeps the base distribution) or "typical"
+        (Medusa's, faster, not lossless).
+        """
+        batched = _is_batch(prompt)
+        seqs, stats = None, None
+        for event in self._run(prompt, max_new_tokens, temperature, top_p, top_k, stop, mode, tree,
+                               acceptance, seed):
+            if isinstance(event, tuple):
+                seqs, stats = event
+        results = [GenerationResult(s.tokens, self._decode(s.tokens) if self.tokenizer else None,
+                                    s.done or "length", stats) for s in seqs]
+        for r, s in zip(results, seqs):
+            if s.done == "stop":
+                r.text = s.text
+        return results if batched else results[0]
+
+    def stream(self, prompt, **kwargs) -> Iterator[StreamEvent]:
+        """Yield :class:`StreamEvent` as tokens are accepted (same arguments as :meth:`generate`)."""
+        for event in self._run(prompt, **_stream_defaults(kwargs)):
+            if isinstance(event, StreamEvent):
+                yield event
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.out_dir} has no tokenizer.json: pass token ids instead of text")
+        return self.tokenizer.encode(text).ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    # ------------------------------------------------------------------ the loop
+
+    def _prepare(self, prompt, max_new_tokens, mode):
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        prompts = prompt if _is_batch(prompt) else [prompt]
+        if not prompts:
+            raise ValueError("empty batch: pass at least one prompt")
+        ids = []
+        for p in prompts:
+            toks = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            if not toks:
+                raise ValueError("empty prompt: pass at least one token of text")
+            if len(toks) >= self.max_positions:
+                raise ValueError(
+                    f"prompt of {len(toks)} tokens exceeds the model's context limit of "
+                    f"{self.max_positions}; shorten the prompt"
+                )
+            ids.append(toks)
+        if mode == "auto":
+            mode = "speculative" if self.kind else "autoregressive"
+        if mode not in ("speculative", "autoregressive"):
+            raise ValueError(f"unknown mode {mode!r}; accepted: auto, speculative, autoregressive")
+        if mode == "speculative" and not self.kind:
+            raise ValueError(f"{self.out_dir} has no draft graph: use mode='autoregressive' or export a drafter")
+        return [_Seq(prompt=t) for t in ids], mode
+
+    def _run(self, prompt, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0, stop=None, mode="auto",
+             tree=None, acceptance="lossless", seed=None):
+        seqs, mode = self._prepare(prompt, max_new_tokens, mode)
+        if acceptance not in ("lossless", "typical"):
+            raise ValueError(f"unknown acceptance {acceptance!r}; accepted: lossless, typical")
+        if acceptance == "typical" and self.kind != "medusa":
+            raise ValueError("typical acceptance is Medusa's; EAGLE drafts use lossless acceptance")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        rng = np.random.default_rng(seed)
+        sampler = _Sampler(temperature, top_p, top_k, rng, acceptance)
+        stats = Stats(prompt_tokens=sum(len(s.prompt) for s in seqs))
+        t_start = time.perf_counter()
+        steps = {"autoregressive": self._autoregressive, "speculative": self._speculative}[mode]
+        for emitted in steps(seqs, sampler, stats, tree, max_new_tokens):
+            for b, toks in emitted:
+                event = self._emit(seqs[b], b, toks, max_new_tokens, stops)
+                if event is not None:
+                    yield event
+            stats.time_total = time.perf_counter() - t_start
+            if all(s.done for s in seqs):
+                break
+        stats.time_total = time.perf_counter() - t_start
+        stats.new_tokens = sum(len(s.tokens) for s in seqs)
+        self.last_stats = stats
+        yield seqs, stats
+
+    def _emit(self, seq: _Seq, b: int, toks: list[int], max_new: int, stops: list[str]):
+        if seq.done:
+            return None
+        room = max_new - len(seq.tokens)
+        if len(seq.prompt) + len(seq.tokens) + len(toks) >= self.max_positions:
+            room = min(room, self.max_positions - len(seq.prompt) - len(seq.tokens) - 1)
+        toks = toks[: max(room, 0)]
+        for i, t in enumerate(toks):
+            if t in self.eos:
+                toks, seq.done = toks[: i + 1], "eos"
+                break
+        before = seq.text
+        seq.tokens.extend(toks)
+        if self.tokenizer is not None:
+            seq.text = self._decode(seq.tokens)
+            for s in stops:
+                cut = seq.text.find(s, max(0, len(before) - len(s)))
+                if cut >= 0:
+                    seq.text, seq.done = seq.text[:cut], "stop"
+        if not seq.done and len(seq.tokens) >= max_new:
+            seq.done = "length"
+        if not seq.done and len(seq.prompt) + len(seq.tokens) >= self.max_positions - 1:
+            seq.done = "length"
+        new_text = seq.text[len(before):] if seq.text.startswith(before) else seq.text
+        return StreamEvent(index=b, token_ids=toks, text=new_text) if toks else None
+
+    # ------------------------------------------------------------------ graph calls
+
+    def _run_base(self, kv: KVCache, ids, pos, tree_mask) -> dict[str, np.ndarray]:
+        """One base forward over S new positions per sequence; tree_mask (B, S, S) bool."""
+        mask = _full_mask(kv.past_mask(), tree_mask)
+        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, **kv.feed()}
+        return dict(zip(self._base_outputs, self.base.run(self._base_outputs, feed)))
+
+    def _presents(self, out: dict, n_layers: int) -> list[np.ndarray]:
+        return [out[n] for i in range(n_layers) for n in (C.present_key(i), C.present_value(i))]
+
+    def _new_cache(self, batch: int, layers: int, kv_heads: int, head_dim: int) -> KVCache:
+        return KVCache(layers, batch, kv_heads, head_dim, self.dtype)
+
+    def _prefill(self, seqs, stats):
+        """Prompts right-padded into one forward; returns (kv, out, last row per sequence)."""
+        src = self.manifest.source
+        bsz = len(seqs)
+        lens = np.array([len(s.prompt) for s in seqs])
+        s_max = int(lens.max())
+        ids = np.full((bsz, s_max), self.pad, dtype=np.int64)
+        for b, s in enumerate(seqs):
+            ids[b, : lens[b]] = s.prompt
+        pos = np.broadcast_to(np.arange(s_max), (bsz, s_max)).astype(np.int64)
+        causal = np.tril(np.ones((s_max, s_max), dtype=bool))
+        tree = causal[None] & (np.arange(s_max)[None, None, :] < lens[:, None, None])
+        tree |= np.eye(s_max, dtype=bool)[None]  # pad rows see themselves: no empty softmax
+        kv = self._new_cache(bsz, self._n_layers, src["num_kv_heads"], src["head_dim"])
+        t0 = time.perf_counter()
+        out = self._run_base(kv, ids, pos, tree)
+        stats.time_prefill += time.perf_counter() - t0
+        kv.append(self._presents(out, self._n_layers), np.broadcast_to(np.arange(s_max), (bsz, s_max)), lens)
+        return kv, out, lens - 1
+
+    def _autoregressive(self, seqs, sampler, stats, tree, max_new):
+        kv, out, last = self._prefill(seqs, stats)
+        bsz = len(seqs)
+        rows = np.arange(bsz)
+        nxt = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
+        pos = last + 1
+        yield [(b, [int(nxt[b])]) for b in rows]
+        ones = np.ones((bsz, 1, 1), dtype=bool)
+        while True:
+            t0 = time.perf_counter()
+            out = self._run_base(kv, nxt[:, None], pos[:, None], ones)
+            stats.time_verify += time.perf_counter() - t0
+            kv.append(self._presents(out, self._n_layers), np.zeros((bsz, 1), dtype=np.int64),
+                      np.ones(bsz, dtype=np.int64))
+            nxt = np.array([sampler.token(out[C.LOGITS][b, 0]) for b in rows])
+            pos = pos + 1
+            stats.steps += 1
+            live = [b for b in rows if not seqs[b].done]
+            stats.accepted += [1] * len(live)
+            yield [(b, [int(nxt[b])]) for b in live]
+
+    def _speculative(self, seqs, sampler, stats, tree, max_new):
+        if self.kind == "medusa":
+            yield from self._medusa(seqs, sampler, stats, self._medusa_tree(tree))
+        else:
+            yield from self._eagle(seqs, sampler, stats, self._eagle_tree(tree))
+
+    def _verify_and_accept(self, kv, seqs, sampler, stats, trees: list[Tree], tokens: np.ndarray, pos):
+        """Verify (B, T) candidate tokens in one base forward; commit accepted K/V rows.
+
+        Returns (base outputs, accepted node lists, bonus tokens)."""
+        bsz, t = tokens.shape
+        depth = np.stack([_pad(tr.depth, t, 0) for tr in trees])  # (B, T)
+        mask = np.stack([_pad_mask(tr.mask, t) for tr in trees])  # (B, T, T)
+        t0 = time.perf_counter()
+        out = self._run_base(kv, tokens, pos[:, None] + depth, mask)
+        stats.time_verify += time.perf_counter() - t0
+        accepted, bonus = [], []
+        for b in range(bsz):
+            nodes, nxt = sampler.accept(trees[b], tokens[b, : trees[b].size], out[C.LOGITS][b, : trees[b].size])
+            accepted.append(nodes)
+            bonus.append(nxt)
+        counts = np.array([len(a) for a in accepted])
+        idx = np.zeros((bsz, counts.max()), dtype=np.int64)
+        for b, a in enumerate(accepted):
+            idx[b, : len(a)] = a
+        kv.append(self._presents(out, self._n_layers), idx, counts)
+        stats.steps += 1
+        stats.accepted += [int(c) for b, c in enumerate(counts) if not seqs[b].done]
+        return out, accepted, bonus
+
+    # Medusa -----------------------------------------------------------------------------
+
+    def _medusa_tree(self, tree) -> Tree:
+        if tree is None:
+            paths = self.default_tree.get("medusa_paths") or default_medusa_paths(self.drafter["num_heads"])
+        elif isinstance(tree, (str, Path)):
+            paths = load_tree_file(tree)
+        else:
+            paths = tree
+        t = medusa_tree(paths)
+        if t.max_depth > self.drafter["num_heads"]:
+            raise ValueError(
+                f"tree is {t.max_depth} deep but the drafter has {self.drafter['num_heads']} Medusa heads"
+            )
+        return t
+
+    def _medusa(self, seqs, sampler, stats, tree: Tree):
+        kv, out, last = self._prefill(seqs, stats)
+        bsz = len(seqs)
+        rows = np.arange(bsz)
+        root = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
+        hidden = out[C.HIDDEN][rows, last]  # (B, H) last cached position
+        pos = last + 1  # the root's position
+        yield [(b, [int(root[b])]) for b in rows]
+        topk = np.array([int(tree.rank.max()) + 1], dtype=np.int64)
+        trees = [tree] * bsz
+        while True:
+            t0 = time.perf_counter()
+            (ids,) = self.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden[:, None], C.TOPK_IN: topk})
+            stats.time_draft += time.perf_counter() - t0
+            cand = _medusa_candidates(tree, root, ids[:, 0])  # (B, T)
+            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos)
+            emitted = []
+            for b in rows:
+                a = accepted[b]
+                hidden[b] = out[C.HIDDEN][b, a[-1]]
+                emitted.append((b, [int(x) for x in cand[b, a[1:]]] + [int(bonus[b])]))
+                pos[b] += len(a)
+                root[b] = bonus[b]
+            yield emitted
+
+    # EAGLE ------------------------------------------------------------------------------
+
+    def _eagle_tree(self, tree) -> dict:
+        cfg = dict(self.default_tree.get("eagle") or {"topk": 4, "depth": 4, "total_tokens": 12})
+        if isinstance(tree, (str, Path)):
+            import json
+
+            try:
+                tree = json.loads(Path(tree).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"cannot read EAGLE tree file {tree}: {e}") from None
+        if tree is not None:
+            if not isinstance(tree, dict) or set(tree) - {"topk", "depth", "total_tokens"}:
+                raise ValueError('an EAGLE tree is {"topk": k, "depth": d, "total_tokens": n}')
+            cfg.update(tree)
+        for k in ("topk", "depth", "total_tokens"):
+            if not isinstance(cfg[k], int) or cfg[k] < 1:
+                raise ValueError(f"EAGLE tree {k} must be an int >= 1, got {cfg[k]!r}")
+        return cfg
+
+    def _run_draft(self, dkv: KVCache, feats, ids, pos, tree_mask, topk, stats, past_mask=None, is_aux=False):
+        """One drafter forward; feats are the base's (``is_aux``: EAGLE-3 layers) or the drafter's own."""
+        bsz, s = ids.shape
+        mask = _full_mask(dkv.past_mask() if past_mask is None else past_mask, tree_mask)
+        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.TOPK_IN: topk, **dkv.feed()}
+        hid_dim = self.manifest.source["hidden_size"]
+        if self.drafter.get("eagle3"):
+            empty_aux = np.zeros((bsz, 0, hid_dim * len(self.drafter["aux_layer_ids"])), self.dtype)
+            feed[C.AUX_HIDDEN] = feats if is_aux else empty_aux
+            feed[C.HIDDEN] = np.zeros((bsz, 0, hid_dim), self.dtype) if is_aux else feats
+        else:
+            feed[C.HIDDEN] = feats
+        names = self.draft_spec.output_names
+        t0 = time.perf_counter()
+        out = dict(zip(names, self.draft.run(names, feed)))
+        stats.time_draft += time.perf_counter() - t0
+        return out
+
+    def _eagle(self, seqs, sampler, stats, cfg: dict):
+        kv, out, last = self._prefill(seqs, stats)
+        bsz = len(seqs)
+        rows = np.arange(bsz)
+        d = self.drafter
+        dkv = self._new_cache(bsz, d["num_layers"], d["num_kv_heads"], d["head_dim"])
+        feat_name = C.AUX_HIDDEN if d.get("eagle3") else C.HIDDEN
+        root = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
+        yield [(b, [int(root[b])]) for b in rows]
+        # drafter context: (feature of position t, token t+1) for every position not yet drafted from
+        pend_feats = [out[feat_name][b, : last[b] + 1] for b in rows]
+        pend_ids = [np.append(seqs[b].prompt[1:], root[b]) for b in rows]
+        pend_pos = np.zeros(bsz, dtype=np.int64)
+        pos = last + 1  # the root's position
+        topk = np.array([cfg["topk"]], dtype=np.int64)
+        while True:
+            # 1) context: feed the pending rows, commit them to the drafter cache
+            counts = np.array([len(x) for x in pend_ids])
+            a = int(counts.max())
+            feats = np.zeros((bsz, a, pend_feats[0].shape[-1]), self.dtype)
+            ids = np.full((bsz, a), self.pad, dtype=np.int64)
+            for b in rows:
+                feats[b, : counts[b]], ids[b, : counts[b]] = pend_feats[b], pend_ids[b]
+            causal = np.tril(np.ones((a, a), dtype=bool))[None] & (np.arange(a)[None, None] < counts[:, None, None])
+            causal |= np.eye(a, dtype=bool)[None]
+            dout = self._run_draft(dkv, feats, ids, pend_pos[:, None] + np.arange(a), causal, topk, stats,
+                                   is_aux=bool(d.get("eagle3")))
+            dkv.append(self._presents(dout, d["num_layers"]), np.broadcast_to(np.arange(a), (bsz, a)), counts)
+            # 2) grow one EAGLE-2 tree per sequence from the root's drafter output
+            builders = [DynamicTreeBuilder(cfg["topk"], cfg["depth"], cfg["total_tokens"]) for _ in rows]
+            frontiers = [builders[b].start(dout[C.TOPK_IDS][b, counts[b] - 1],
+                                           dout[C.TOPK_LOGPROBS][b, counts[b] - 1]) for b in rows]
+            prev = dout[C.HIDDEN_OUT][rows, counts - 1][:, None]  # (B, 1, H) output at the root
+            w0 = dkv.w
+            while frontiers[0] is not None:
+                k, n_prev = frontiers[0].size, dkv.w - w0
+                hid = np.stack([prev[b, f.parent_row] for b, f in enumerate(frontiers)])  # (B, k, H)
+                tok = np.stack([f.tokens for f in frontiers])
+                fpos = pos[:, None] + np.stack([f.depth for f in frontiers]) - 1  # parent's position
+                attend = np.stack([f.attend for f in frontiers])  # (B, k, n_prev + k)
+                past = np.repeat(dkv.past_mask()[:, None], k, axis=1)  # (B, k, cap)
+                past[:, :, w0 : w0 + n_prev] = attend[:, :, :n_prev]
+                dout = self._run_draft(dkv, hid, tok, fpos, attend[:, :, n_prev:], topk, stats, past_mask=past)
+                dkv.append(self._presents(dout, d["num_layers"]), np.broadcast_to(np.arange(k), (bsz, k)),
+                           np.zeros(bsz, dtype=np.int64))
+                prev = dout[C.HIDDEN_OUT]
+                frontiers = [builders[b].expand(dout[C.TOPK_IDS][b], dout[C.TOPK_LOGPROBS][b]) for b in rows]
+            dkv.truncate(w0)
+            built = [builders[b].finish(root_token=int(root[b])) for b in rows]
+            trees = [t for t, _ in built]
+            t_max = max(t.size for t in trees)
+            cand = np.stack([_pad(tok, t_max, self.pad) for _, tok in built])  # (B, T)
+            # 3) verify and accept
+            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos)
+            emitted = []
+            for b in rows:
+                acc = accepted[b]
+                emitted.append((b, [int(x) for x in cand[b, acc[1:]]] + [int(bonus[b])]))
+                pend_feats[b] = out[feat_name][b, acc]
+                pend_ids[b] = np.append(cand[b, acc[1:]], bonus[b])
+                pend_pos[b] = pos[b]
+                pos[b] += len(acc)
+                root[b] = bonus[b]
+            yield emitted
+
+
+class _Sampler:
+    """Greedy when temperature == 0; otherwise the base distribution after temperature/top-k/top-p."""
+
+    def __init__(self, temperature, top_p, top_k, rng, acceptance):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        self.temperature, self.top_p, self.top_k, self.rng = temperature, top_p, top_k, rng
+        self.acceptance = acceptance
+
+    def token(self, logits: np.ndarray) -> int:
+        if self.temperature == 0:
+            return int(np.argmax(logits))
+        p = process_logits(logits, self.temperature, self.top_p, self.top_k)
+        return int(self.rng.choice(p.shape[-1], p=p / p.sum()))
+
+    def accept(self, tree: Tree, tokens: np.ndarray, logits: np.ndarray):
+        if self.temperature == 0:
+            return greedy_accept(tree, tokens, logits)
+        probs = process_logits(logits, self.temperature, self.top_p, self.top_k)
+        if self.acceptance == "typical":
+            return typical_accept(tree, tokens, probs, self.rng)
+        return sample_accept(tree, tokens, probs, self.rng)
+
+
+def _medusa_candidates(tree: Tree, root: np.ndarray, topk_ids: np.ndarray) -> np.ndarray:
+    from graphs.trees import medusa_candidates_batch
+
+    return medusa_candidates_batch(tree, root, topk_ids)
+
+
+def _full_mask(past: np.ndarray, tree: np.ndarray) -> np.ndarray:
+    """(B, 1, S, P+S) bool from the past columns each row may see and the (B, S, S) new block.
+
+    ``past`` is (B, P) (the same for every row) or (B, S, P) (per row, for draft trees).
+    """
+    bsz, s, _ = tree.shape
+    if past.ndim == 2:
+        past = np.broadcast_to(past[:, None, :], (bsz, s, past.shape[1]))
+    return np.concatenate([past, tree], axis=2)[:, None]
+
+
+def _pad(x: np.ndarray, n: int, value) -> np.ndarray:
+    out = np.full(n, value, dtype=np.int64)
+    out[: len(x)] = x
+    return out
+
+
+def _pad_mask(mask: np.ndarray, n: int) -> np.ndarray:
+    out = np.eye(n, dtype=bool)  # padding nodes see only themselves (and are never accepted)
+    out[: mask.shape[0], : mask.shape[1]] = mask
+    return out
+
+
+def _is_batch(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], (int, np.integer))
+
+
+def _stream_defaults(kwargs: dict) -> dict:
+    allowed = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "mode", "tree", "acceptance", "seed"}
+    bad = set(kwargs) - allowed
+    if bad:
+        raise TypeError(f"unknown argument(s) {sorted(bad)}; accepted: {sorted(allowed)}")
+    return kwargs
+
+
+def load(out_dir, provider: str = "auto", threads: int | None = None, optimization: str = "all",
+         verify: bool = True) -> Decoder:
+    """Build a :class:`Decoder` from an export directory (checks every file's sha256 first)."""
+    return Decoder(out_dir, provider=provider, threads=threads, optimization=optimization, verify=verify)
