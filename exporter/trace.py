@@ -8,6 +8,7 @@ outputs, in order (:mod:`graphs.contract`). Submodules keep the HF attribute nam
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -182,11 +183,112 @@ def trace_sizes(spec: C.GraphSpec) -> dict[str, int]:
     return {C.BATCH: 2, C.SEQ: seq, C.PAST: 4, C.TOTAL: 4 + seq, C.TOPK: 2, C.AUX_SEQ: s0, C.DRAFT_SEQ: s1}
 
 
+# Submodules whose own ``forward`` is never called (the wrappers call their children directly), by
+# graph role: without a scope of their own their children's nodes would read ``/layers.0/...``.
+_UNCALLED_PARENTS = {"base": ("model",), "draft": ("eagle_module", "base.model", "base")}
+
+
+def _called_children(module: nn.Module):
+    """Children of ``module``, looking through containers (ModuleList/ModuleDict are never called)."""
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            yield from _called_children(child)
+        else:
+            yield child
+
+
+@contextlib.contextmanager
+def scoped_node_names(root: nn.Module, paths: tuple[str, ...]):
+    """While tracing, open the ONNX name scope of each module in ``paths`` around its children's calls.
+
+    The TorchScript exporter names a node after the chain of *called* modules, so
+    ``BaseGraph.model`` (whose ``forward`` is not used: :func:`base_forward` calls its layers)
+    would be missing: ``/layers.0/self_attn/...``. Hooks on the children of each listed module push
+    its scopes (``model``; ``base`` then ``model`` for ``base.model``) for the duration of each child
+    call, giving ``/model/layers.0/self_attn/q_proj/MatMul``. The hooks are removed on exit.
+    """
+    handles = []
+    claimed: set[int] = set()
+    for path in paths:  # deepest path first claims its children
+        try:
+            parent = root.get_submodule(path)
+        except AttributeError:
+            continue
+        atoms = path.split(".")
+        chain = [root.get_submodule(".".join(atoms[: i + 1])) for i in range(len(atoms))]
+        names = [torch._C._jit_onnx_create_full_scope_name(torch.typename(type(m)), a) for m, a in zip(chain, atoms)]
+        for child in _called_children(parent):
+            if id(child) in claimed or any(child is m for m in chain):
+                continue
+            claimed.add(id(child))
+
+            def push(_module, _args, names=names):
+                state = torch._C._get_tracing_state()
+                if state is not None:
+                    for n in names:
+                        state.push_scope(n)
+
+            def pop(_module, _args, _out, names=names):
+                state = torch._C._get_tracing_state()
+                if state is not None:
+                    for _ in names:
+                        state.pop_scope()
+
+            handles.append(child.register_forward_pre_hook(push))
+            handles.append(child.register_forward_hook(pop, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+_ONNX_DTYPES = {"float32": 1, "uint8": 2, "int8": 3, "int32": 6, "int64": 7, "bool": 9, "float16": 10, "bfloat16": 16}
+
+
+def apply_contract_shapes(proto, spec: C.GraphSpec) -> None:
+    """Make the graph's declared I/O exactly the contract's: names, elem types, fixed and symbolic dims.
+
+    The tracer leaves some output dims as made-up names (``Addpresent.0.key_dim_3`` for a K/V
+    head_dim, ``TopKtopk_ids_dim_2`` for the Medusa head count) where shape inference lost them.
+    """
+    graph = proto.graph
+    for values, specs, what in ((graph.input, spec.inputs, "input"), (graph.output, spec.outputs, "output")):
+        got = [v.name for v in values]
+        want = [t.name for t in specs]
+        if got != want:
+            raise RuntimeError(f"traced graph {spec.file} {what}s {got} differ from the contract {want}")
+        for v, t in zip(values, specs):
+            tt = v.type.tensor_type
+            if tt.elem_type != _ONNX_DTYPES[t.dtype]:
+                raise RuntimeError(
+                    f"traced graph {spec.file} {what} {t.name} has ONNX type {tt.elem_type}, the contract says {t.dtype}"
+                )
+            tt.shape.ClearField("dim")
+            for d in t.dims:
+                dim = tt.shape.dim.add()
+                if isinstance(d, str):
+                    dim.dim_param = d
+                else:
+                    dim.dim_value = d
+
+
 def export_graph(model, role: str, spec: C.GraphSpec, path: Path, opset: int = OPSET) -> Path:
-    """Trace ``role`` ("base" | "draft") of ``model`` to ``path`` following ``spec``."""
+    """Trace ``role`` ("base" | "draft") of ``model`` to ``path`` following ``spec``.
+
+    Weights over protobuf's 2 GB limit land in external data files beside ``path``
+    (the caller consolidates them).
+    """
+    import onnx
+
     module = graph_module(model, role).eval()
     args = tuple(example_inputs(spec, trace_sizes(spec)))
-    with torch.no_grad(), eager_attention(model.config), warnings.catch_warnings():
+    with (
+        torch.no_grad(),
+        eager_attention(model.config),
+        scoped_node_names(module, _UNCALLED_PARENTS[role]),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         torch.onnx.export(
             module,
@@ -199,4 +301,7 @@ def export_graph(model, role: str, spec: C.GraphSpec, path: Path, opset: int = O
             do_constant_folding=True,
             dynamo=False,
         )
+    proto = onnx.load(str(path), load_external_data=False)  # the graph only: weights stay on disk
+    apply_contract_shapes(proto, spec)
+    onnx.save(proto, str(path))
     return path

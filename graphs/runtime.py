@@ -396,7 +396,7 @@ class Decoder:
 
     def _run_draft(self, dkv: KVCache, feats, ids, pos, tree_mask, topk, stats, past_mask=None, is_aux=False):
         """One drafter forward; feats are the base's (``is_aux``: EAGLE-3 layers) or the drafter's own."""
-        bsz, s = ids.shape
+        bsz = ids.shape[0]
         mask = _full_mask(dkv.past_mask() if past_mask is None else past_mask, tree_mask)
         feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.TOPK_IN: topk, **dkv.feed()}
         hid_dim = self.manifest.source["hidden_size"]

@@ -25,3 +25,7 @@ __all__ += [
     "load_drafter",
     "save_drafter",
 ]
+
+from exporter.speculative.importers import FORMATS, load_external_drafter  # noqa: E402
+
+__all__ += ["FORMATS", "load_external_drafter"]

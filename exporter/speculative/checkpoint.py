@@ -18,7 +18,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from exporter.speculative.convert import CONFIG_KEY, DRAFTER_PREFIX, convert_from_saved, is_converted
+from exporter.speculative.convert import (
+    CONFIG_KEY,
+    DRAFTER_PREFIX,
+    convert_from_saved,
+    is_converted,
+    undo_convert_on_error,
+)
 
 DRAFTER_WEIGHTS = "drafter.safetensors"
 DRAFTER_CONFIG = "drafter_config.json"
@@ -119,10 +125,11 @@ def load_drafter_state(model, state: dict[str, torch.Tensor], source: str) -> No
 
 def restore_drafter(model, saved: dict, model_dir: Path):
     """Convert a freshly loaded base per ``saved`` and load the drafter weights from ``model_dir``."""
-    convert_from_saved(model, saved)
-    prefix = DRAFTER_PREFIX[model.spec_mode]
-    state = read_prefixed(_weight_files(model_dir), prefix)
-    load_drafter_state(model, state, str(model_dir))
+    with undo_convert_on_error(model):
+        convert_from_saved(model, saved)
+        prefix = DRAFTER_PREFIX[model.spec_mode]
+        state = read_prefixed(_weight_files(model_dir), prefix)
+        load_drafter_state(model, state, str(model_dir))
     return model
 
 
@@ -164,7 +171,8 @@ def load_drafter(model, path):
                 f"drafter in {path} was trained for {key}={base[key]}, this base has "
                 f"{key}={getattr(model.config, key)}"
             )
-    convert_from_saved(model, meta)
-    state = read_prefixed([weights], DRAFTER_PREFIX[model.spec_mode])
-    load_drafter_state(model, state, str(weights))
+    with undo_convert_on_error(model):
+        convert_from_saved(model, meta)
+        state = read_prefixed([weights], DRAFTER_PREFIX[model.spec_mode])
+        load_drafter_state(model, state, str(weights))
     return model

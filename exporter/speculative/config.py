@@ -100,16 +100,30 @@ class EagleConfig:
                 else:
                     self.layer_overrides[k] = v
             self.eagle_architecture_config = None
+        if not isinstance(self.layer_overrides, dict):
+            raise TypeError(f"layer_overrides must be a dict, got {type(self.layer_overrides).__name__}")
+        unknown = sorted(set(self.layer_overrides) - _LAYER_OVERRIDE_KEYS)
+        if unknown:
+            raise ValueError(f"unknown layer_overrides key(s) {unknown}; accepted: {sorted(_LAYER_OVERRIDE_KEYS)}")
         _positive_int("eagle_num_layers", self.eagle_num_layers)
         _positive_int("eagle_ttt_steps", self.eagle_ttt_steps)
         if self.draft_vocab_size is not None:
             _positive_int("draft_vocab_size", self.draft_vocab_size)
             if not self.use_aux_hidden_state:
                 raise ValueError("draft_vocab_size needs use_aux_hidden_state=True (an EAGLE-3 drafter)")
-        if self.eagle_aux_hidden_state_layer_ids is not None:
-            ids = list(self.eagle_aux_hidden_state_layer_ids)
-            if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise ValueError(f"eagle_aux_hidden_state_layer_ids must be a non-empty list of ints, got {ids}")
+        if not 0 < self.eagle_loss_decay <= 1:
+            raise ValueError(f"eagle_loss_decay must be in (0, 1], got {self.eagle_loss_decay}")
+        ids = self.eagle_aux_hidden_state_layer_ids
+        if ids is not None and len(ids) == 0:  # ModelOpt's default config spells "the default layers" as []
+            ids = self.eagle_aux_hidden_state_layer_ids = None
+        if ids is not None:
+            ids = list(ids)
+            if not self.use_aux_hidden_state:
+                raise ValueError(
+                    "eagle_aux_hidden_state_layer_ids needs use_aux_hidden_state=True (an EAGLE-3 drafter)"
+                )
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise ValueError(f"eagle_aux_hidden_state_layer_ids must be a list of ints, got {ids}")
             self.eagle_aux_hidden_state_layer_ids = ids
 
     @classmethod

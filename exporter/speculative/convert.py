@@ -9,6 +9,8 @@ so that ``save_pretrained`` records it and :func:`enable_huggingface_checkpointi
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -21,7 +23,8 @@ from exporter.speculative.medusa import build_medusa_heads, medusa_logits, medus
 
 CONFIG_KEY = "speculative_decoding"
 # state_dict prefixes of the drafter, by mode
-DRAFTER_PREFIX = {"medusa": "medusa_heads.", "eagle": "eagle_module."}
+DRAFTER_ATTR = {"medusa": "medusa_heads", "eagle": "eagle_module"}
+DRAFTER_PREFIX = {mode: attr + "." for mode, attr in DRAFTER_ATTR.items()}
 
 
 class SpeculativeModel:
@@ -32,7 +35,7 @@ class SpeculativeModel:
 
     @property
     def drafter(self) -> nn.Module:
-        return self.medusa_heads if self.spec_mode == "medusa" else self.eagle_module
+        return getattr(self, DRAFTER_ATTR[self.spec_mode])
 
     def base_outputs(self, input_ids, attention_mask=None):
         """Frozen base pass: (logits, post-norm hidden, EAGLE-3 aux hidden | None)."""
@@ -98,20 +101,22 @@ def convert(model, modes):
     base_cfg = model.config
     param = next(model.parameters())
 
-    for p in model.parameters():
-        p.requires_grad_(False)
+    # Build (and validate) the drafter before touching the model: a bad config leaves it unchanged.
     if mode == "medusa":
-        model.medusa_heads = build_medusa_heads(cfg, model.get_output_embeddings())
+        drafter = build_medusa_heads(cfg, model.get_output_embeddings())
     else:
         cfg.resolve(base_cfg)
-        module = EagleModule(cfg, base_cfg, arch)
-        if module.eagle3:
+        drafter = EagleModule(cfg, base_cfg, arch)
+        if drafter.eagle3:
             with torch.no_grad():  # start the draft head from the base lm_head rows it covers
-                ids = torch.arange(cfg.draft_vocab_size) + module.d2t
-                module.lm_head.weight.copy_(model.get_output_embeddings().weight[ids])
-                module.norm.weight.copy_(model.model.norm.weight)
-        model.eagle_module = module.to(device=param.device, dtype=param.dtype)
+                ids = torch.arange(cfg.draft_vocab_size) + drafter.d2t
+                drafter.lm_head.weight.copy_(model.get_output_embeddings().weight[ids])
+                drafter.norm.weight.copy_(model.model.norm.weight)
+        drafter = drafter.to(device=param.device, dtype=param.dtype)
 
+    for p in model.parameters():
+        p.requires_grad_(False)
+    setattr(model, DRAFTER_ATTR[mode], drafter)
     model.__class__ = _speculative_class(type(model))
     model.spec_mode = mode
     model.spec_config = cfg
@@ -123,6 +128,33 @@ def _cfg_dict(cfg) -> dict:
     return cfg.to_dict() if isinstance(cfg, EagleConfig) else dict(vars(cfg))
 
 
+@contextlib.contextmanager
+def undo_convert_on_error(model):
+    """Run a convert-then-load sequence; if it raises, return ``model`` to its unconverted state.
+
+    So a drafter file that does not fit leaves the base usable (unconverted, trainable as before).
+    """
+    cls = type(model)
+    grads = {name: p.requires_grad for name, p in model.named_parameters()}
+    try:
+        yield model
+    except BaseException:
+        if is_converted(model) and not issubclass(cls, SpeculativeModel):
+            model._modules.pop(DRAFTER_ATTR[model.spec_mode], None)
+            model.__class__ = cls
+            for attr in ("spec_mode", "spec_config"):
+                model.__dict__.pop(attr, None)
+            if hasattr(model.config, CONFIG_KEY):
+                delattr(model.config, CONFIG_KEY)
+            for name, p in model.named_parameters():
+                p.requires_grad_(grads.get(name, p.requires_grad))
+        raise
+
+
 def convert_from_saved(model, saved: dict):
     """Re-convert a freshly loaded base from ``config.speculative_decoding``."""
-    return convert(model, [(saved["mode"], dict(saved["config"]))])
+    if not isinstance(saved, dict) or "mode" not in saved:
+        raise ValueError(
+            f"malformed {CONFIG_KEY} entry {saved!r}; expected {{'mode': 'medusa'|'eagle', 'config': {{...}}}}"
+        )
+    return convert(model, [(saved["mode"], dict(saved.get("config") or {}))])
