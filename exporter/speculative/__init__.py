@@ -29,3 +29,7 @@ __all__ += [
 from exporter.speculative.importers import FORMATS, load_external_drafter  # noqa: E402
 
 __all__ += ["FORMATS", "load_external_drafter"]
+
+from exporter.speculative.distill import DraftCollator, DraftDataset, self_distill  # noqa: E402
+
+__all__ += ["DraftCollator", "DraftDataset", "self_distill"]

@@ -54,24 +54,29 @@ def _quiet_transformers():
 
 
 class _Checkpointing(contextlib.AbstractContextManager):
+    def __init__(self, installed: bool):
+        self.installed = installed
+
     def __exit__(self, *exc):
-        disable_huggingface_checkpointing()
+        if self.installed:  # a nested `with` leaves an outer enable in place
+            disable_huggingface_checkpointing()
         return False
 
 
 def enable_huggingface_checkpointing():
     """Make ``from_pretrained`` restore drafters saved with ``save_pretrained``. Idempotent.
 
-    Returns a context manager; leaving it (or :func:`disable_huggingface_checkpointing`) undoes the
-    patch of ``PreTrainedModel.from_pretrained``.
+    Returns a context manager; leaving it undoes the patch of ``PreTrainedModel.from_pretrained`` if
+    this call installed it (so nesting is safe); :func:`disable_huggingface_checkpointing` always does.
     """
     global _original_from_pretrained
     from transformers import PreTrainedModel
 
-    if _original_from_pretrained is None:
+    installed = _original_from_pretrained is None
+    if installed:
         _original_from_pretrained = PreTrainedModel.__dict__["from_pretrained"]
         PreTrainedModel.from_pretrained = classmethod(_from_pretrained_and_restore)
-    return _Checkpointing()
+    return _Checkpointing(installed)
 
 
 def disable_huggingface_checkpointing() -> None:
@@ -81,6 +86,18 @@ def disable_huggingface_checkpointing() -> None:
     if _original_from_pretrained is not None:
         PreTrainedModel.from_pretrained = _original_from_pretrained
         _original_from_pretrained = None
+
+
+@contextlib.contextmanager
+def huggingface_checkpointing_disabled():
+    """``from_pretrained`` inside loads the plain base (drafter weights ignored), then the patch is back."""
+    was_enabled = _original_from_pretrained is not None
+    disable_huggingface_checkpointing()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            enable_huggingface_checkpointing()
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -1,8 +1,9 @@
 """Medusa heads: residual SiLU blocks on the base's last hidden state, one vocabulary head each.
 
 Head k (0-based) reads the hidden state at position t and predicts the token at t+k+2 (the base
-lm_head predicts t+1). Layout matches ModelOpt's (``medusa_heads.{k}.medusa_layers.{j}.linear``,
-``medusa_heads.{k}.lm_head``).
+lm_head predicts t+1). Keys: ``medusa_heads.{k}.medusa_layers.{j}.linear``, ``medusa_heads.{k}.lm_head``.
+ModelOpt and FasterDecoding hold each head as ``nn.Sequential(*blocks, lm_head)`` (keys ``{k}.{j}.linear``,
+``{k}.{n}``); :mod:`exporter.speculative.importers` maps those files onto this layout.
 """
 
 from __future__ import annotations
