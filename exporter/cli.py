@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import traceback
 
 from exporter.loading import UserError
 from graphs.manifest import ArtifactError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the CLIs' error style: one ``error:`` line on stderr (no usage block), exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def run_cli(body, debug: bool = False) -> int:

@@ -12,7 +12,6 @@ non-zero when an output exceeds the tolerance for its dtype and device (:data:`T
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from exporter.loading import UserError
 from exporter.trace import graph_module
 from graphs import contract as C
 from graphs.manifest import Manifest
@@ -46,6 +46,10 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
 # Outputs compared for agreement only: equal scores may come out in either order.
 _AGREEMENT_ONLY = {C.TOPK_IDS}
 _LOGITS = {C.LOGITS}
+
+
+class UnsupportedProviderError(UserError):
+    """ONNX Runtime has no kernel for this graph on this provider (e.g. bfloat16 ops on the CPU EP)."""
 
 
 @dataclass
@@ -285,11 +289,12 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
     manifest = manifest or Manifest.read(out_dir)
     specs = manifest.graphs
     dtype = specs["base"].output(C.LOGITS).dtype
+    _check_same_model(model, specs, dtype, out_dir)
     device = "cuda" if provider == "cuda" else "cpu"
     tol = TOLERANCES[(dtype, device)]
     report = CompareReport(dtype=dtype, device=device, tolerance=asdict(tol))
     for role in specs:
-        session = make_session(out_dir / specs[role].file, provider=provider)
+        session = _session(make_session, out_dir / specs[role].file, provider, dtype)
         cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
         module = graph_module(model, role)
         for case, inputs in cases:
@@ -299,7 +304,40 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
             for spec_out, r, o in zip(specs[role].outputs, ref, got):
                 report.rows.append(Row(graph=role, case=case, output=spec_out.name, shape=list(o.shape),
                                        **compare_arrays(r, o, tol, spec_out.name)))
+        del session  # one graph's weights in memory at a time
     return report
+
+
+def _check_same_model(model, specs: dict[str, C.GraphSpec], dtype: str, out_dir: Path) -> None:
+    """The graphs in ``out_dir`` must have the contract this model exports to (same sizes, same drafter)."""
+    from exporter.trace import graph_specs
+
+    want = graph_specs(model, dtype)
+    if set(want) != set(specs):
+        kind = getattr(model, "spec_mode", None) or "no drafter"
+        raise UserError(
+            f"{out_dir} holds graphs {sorted(specs)} but this model ({kind}) exports to {sorted(want)}: "
+            f"compare it with the model_dir (and --drafter) it was exported from"
+        )
+    for role, spec in want.items():
+        if spec.to_json() != specs[role].to_json():
+            raise UserError(
+                f"the {role} graph in {out_dir} does not have this model's inputs/outputs (other sizes or "
+                f"drafter): compare it with the model_dir (and --drafter) it was exported from"
+            )
+
+
+def _session(make_session, path: Path, provider: str, dtype: str):
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented
+
+    try:
+        return make_session(path, provider=provider)
+    except OrtNotImplemented as e:
+        detail = str(e).split(" : ")[-1].strip()
+        raise UnsupportedProviderError(
+            f"ONNX Runtime's {provider} provider cannot run the {dtype} graph {path.name} ({detail}); "
+            f"compare it on a provider with {dtype} kernels (e.g. --provider cuda)"
+        ) from None
 
 
 def compare(model_dir, out_dir, provider: str = "cpu", drafter=None) -> CompareReport:
@@ -310,16 +348,16 @@ def compare(model_dir, out_dir, provider: str = "cpu", drafter=None) -> CompareR
 
 
 def main(argv=None) -> int:
-    from exporter.cli import run_cli
+    from exporter.cli import ArgumentParser, run_cli
 
-    ap = argparse.ArgumentParser(prog="python -m exporter.compare", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m exporter.compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", help="the model directory that was exported")
     ap.add_argument("out_dir", help="the export directory (holds manifest.json)")
     ap.add_argument("--drafter", help="the drafter file passed to export, if any")
     ap.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--json", help="also write the report as JSON to this file")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
 
     def body():
         report = compare(args.model_dir, args.out_dir, provider=args.provider, drafter=args.drafter)

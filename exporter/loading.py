@@ -11,8 +11,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 
 class UserError(Exception):
     """Bad input: printed as one line on stderr by the CLIs, exit code 2."""
@@ -40,6 +38,7 @@ def _check_model_dir(model_dir: Path) -> dict:
 
 def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote_code: bool = False):
     """The PyTorch model to export: float32, eval mode, drafter attached if there is one."""
+    import torch  # here, not at module level: the CLIs import UserError without needing torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from exporter.arch import get_arch
@@ -51,10 +50,16 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise UserError(f"cannot read the config in {model_dir}: {_one_line(e)}") from None
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise UserError(
+            f"{model_dir} holds a {archs[0]} ({config.model_type}), not a causal language model; export needs a "
+            f"decoder-only causal LM saved from AutoModelForCausalLM"
+        )
     try:
         get_arch(config)
     except ValueError as e:
-        raise UserError(str(e)) from None
+        raise UserError(f"{model_dir}: {e}") from None
     if drafter is not None and getattr(config, "speculative_decoding", None):
         raise UserError(f"{model_dir} already holds a drafter; drop --drafter or export the plain base")
     enable_huggingface_checkpointing()
@@ -76,8 +81,10 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
             raise UserError(f"--drafter {path} does not exist")
         try:
             load_external_drafter(model, path)
-        except (ValueError, TypeError, OSError) as e:
+        except (ValueError, TypeError) as e:
             raise UserError(f"drafter {path} does not fit {model_dir}: {_one_line(e)}") from None
+        except Exception as e:  # safetensors/pickle errors of a damaged file have no common base class
+            raise UserError(f"cannot read the drafter {path} (corrupt or truncated?): {_one_line(e)}") from e
     return model.eval()
 
 

@@ -209,6 +209,8 @@ def scoped_node_names(root: nn.Module, paths: tuple[str, ...]):
     """
     handles = []
     claimed: set[int] = set()
+    if not hasattr(torch._C, "_jit_onnx_create_full_scope_name"):  # a torch without TorchScript naming
+        paths = ()
     for path in paths:  # deepest path first claims its children
         try:
             parent = root.get_submodule(path)
@@ -262,7 +264,8 @@ def apply_contract_shapes(proto, spec: C.GraphSpec) -> None:
             tt = v.type.tensor_type
             if tt.elem_type != _ONNX_DTYPES[t.dtype]:
                 raise RuntimeError(
-                    f"traced graph {spec.file} {what} {t.name} has ONNX type {tt.elem_type}, the contract says {t.dtype}"
+                    f"traced graph {spec.file} {what} {t.name} has ONNX type {tt.elem_type}, "
+                    f"the contract says {t.dtype}"
                 )
             tt.shape.ClearField("dim")
             for d in t.dims:

@@ -6,6 +6,6 @@ runtime (:mod:`graphs.runtime`). A service that loads exported graphs needs nump
 and tokenizers, nothing more.
 """
 
-from graphs.runtime import Decoder, GenerationResult, Stats, load  # noqa: E402
+from graphs.runtime import Decoder, GenerationResult, Stats, load
 
 __all__ = ["Decoder", "GenerationResult", "Stats", "load"]

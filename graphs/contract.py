@@ -236,3 +236,39 @@ def eagle_graph_spec(
         *_kv_specs(False, draft_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, SEQ),
     ]
     return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(outputs))
+
+
+ACCEPT_INDEX = "accept_index"
+WRITE_START = "write_start"
+CAPACITY = "capacity"
+ACCEPTED = "accepted"
+
+
+def cache_in(j: int) -> str:
+    return f"cache.{j}"
+
+
+def cache_new(j: int) -> str:
+    return f"new.{j}"
+
+
+def cache_out(j: int) -> str:
+    return f"cache_out.{j}"
+
+
+def kv_update_graph_spec(num_tensors: int, kv_heads: int, head_dim: int, dtype: str, file: str) -> GraphSpec:
+    """The device-side K/V write used with IO binding (CUDA): one gather + one scatter per tensor.
+
+    ``cache.{j}`` (B, kv, capacity, hd) are the preallocated cache buffers (K then V per layer),
+    ``new.{j}`` (B, kv, S, hd) a graph's ``present`` outputs, ``accept_index`` (B, A) which new rows
+    to keep, ``write_start`` (1,) the first column to write. ``cache_out.{j}`` is bound to the same
+    buffer as ``cache.{j}``, so the update happens in place on the device::
+
+        cache_out[j][:, :, w : w + A] = gather(new[j], accept_index, axis=2)
+    """
+    dims = (BATCH, kv_heads, CAPACITY, head_dim)
+    inputs = [TensorSpec(cache_in(j), dtype, dims) for j in range(num_tensors)]
+    inputs += [TensorSpec(cache_new(j), dtype, (BATCH, kv_heads, SEQ, head_dim)) for j in range(num_tensors)]
+    inputs += [TensorSpec(ACCEPT_INDEX, "int64", (BATCH, ACCEPTED)), TensorSpec(WRITE_START, "int64", (1,))]
+    outputs = [TensorSpec(cache_out(j), dtype, dims) for j in range(num_tensors)]
+    return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(outputs))

@@ -96,6 +96,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)  # emitted
     done: str | None = None
     text: str = ""
+    streamed: str = ""  # the part of ``text`` already yielded by stream()
 
 
 class Decoder:
@@ -187,6 +188,10 @@ class Decoder:
                     f"prompt of {len(toks)} tokens exceeds the model's context limit of "
                     f"{self.max_positions}; shorten the prompt"
                 )
+            vocab = self.manifest.source["vocab_size"]
+            bad = [t for t in toks if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
             ids.append(toks)
         if mode == "auto":
             mode = "speculative" if self.kind else "autoregressive"
@@ -225,28 +230,41 @@ class Decoder:
     def _emit(self, seq: _Seq, b: int, toks: list[int], max_new: int, stops: list[str]):
         if seq.done:
             return None
-        room = max_new - len(seq.tokens)
-        if len(seq.prompt) + len(seq.tokens) + len(toks) >= self.max_positions:
-            room = min(room, self.max_positions - len(seq.prompt) - len(seq.tokens) - 1)
+        # a sequence may fill the context: its last token sits at position max_positions - 1 and is
+        # never fed back, so prompt + new tokens <= max_positions
+        room = min(max_new, self.max_positions - len(seq.prompt)) - len(seq.tokens)
         toks = toks[: max(room, 0)]
         for i, t in enumerate(toks):
             if t in self.eos:
                 toks, seq.done = toks[: i + 1], "eos"
                 break
-        before = seq.text
+        if self.tokenizer is not None and stops:
+            # a stop string: keep the tokens up to the one that completes it (as one-token steps would)
+            start = max(0, len(seq.text.rstrip("\ufffd")) - max(map(len, stops)))
+            if _find_stop(self._decode(seq.tokens + toks), stops, start) is not None:
+                for k in range(1, len(toks) + 1):
+                    text = self._decode(seq.tokens + toks[:k])
+                    cut = _find_stop(text, stops, start)
+                    if cut is not None:
+                        toks, seq.done, seq.text = toks[:k], "stop", text[:cut]
+                        break
         seq.tokens.extend(toks)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and seq.done != "stop":
             seq.text = self._decode(seq.tokens)
-            for s in stops:
-                cut = seq.text.find(s, max(0, len(before) - len(s)))
-                if cut >= 0:
-                    seq.text, seq.done = seq.text[:cut], "stop"
         if not seq.done and len(seq.tokens) >= max_new:
             seq.done = "length"
-        if not seq.done and len(seq.prompt) + len(seq.tokens) >= self.max_positions - 1:
+        if not seq.done and len(seq.prompt) + len(seq.tokens) >= self.max_positions:
             seq.done = "length"
-        new_text = seq.text[len(before):] if seq.text.startswith(before) else seq.text
-        return StreamEvent(index=b, token_ids=toks, text=new_text) if toks else None
+        # stream text that can no longer change: hold back a trailing partial character (U+FFFD) and
+        # the last characters that may begin a stop string, until the sequence is done
+        visible = seq.text
+        if not seq.done:
+            visible = visible.rstrip("\ufffd")
+            visible = visible[: max(0, len(visible) - max(map(len, stops), default=1) + 1)]
+        new_text = ""
+        if visible.startswith(seq.streamed):  # (else decoding changed streamed text: nothing to add)
+            new_text, seq.streamed = visible[len(seq.streamed):], visible
+        return StreamEvent(index=b, token_ids=toks, text=new_text) if toks or new_text else None
 
     # ------------------------------------------------------------------ graph calls
 
@@ -521,6 +539,12 @@ def _full_mask(past: np.ndarray, tree: np.ndarray) -> np.ndarray:
     if past.ndim == 2:
         past = np.broadcast_to(past[:, None, :], (bsz, s, past.shape[1]))
     return np.concatenate([past, tree], axis=2)[:, None]
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string begins in ``text[start:]`` (an index into ``text``), or None."""
+    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
 
 
 def _pad(x: np.ndarray, n: int, value) -> np.ndarray:
