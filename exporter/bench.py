@@ -148,7 +148,8 @@ def bench(out_dir, max_new_tokens=96, repeats=3, prompts=8, provider="auto", thr
     log(_line("default tree", main))
     report = {"out_dir": str(out_dir), "provider": decoder.provider, "threads": threads,
               "drafter": decoder.kind, "tree": tree or decoder.default_tree, "prompts": len(ps),
-              "max_new_tokens": max_new_tokens, "repeats": repeats, "machine": platform.processor() or platform.machine(),
+              "max_new_tokens": max_new_tokens, "repeats": repeats,
+              "machine": platform.processor() or platform.machine(),
               "main": main}
     if sweep:
         rows = []

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from exporter.loading import UserError, load_model
+from exporter.kvgraph import build_kv_update
 from exporter.trace import OPSET, TORCH_DTYPES, aux_layer_ids, export_graph, graph_specs
 from graphs.manifest import Manifest
 
@@ -270,6 +271,9 @@ def export(
         with steps("trace draft graph" if "draft" in specs else "trace draft graph (none: base only)"):
             if "draft" in specs:
                 _trace_one(traced, "draft", specs["draft"], tmp, opset)
+            for role in ("kv_update", "draft_kv_update"):
+                if role in specs:
+                    build_kv_update(specs[role], tmp / specs[role].file, opset=opset)
         del traced
         manifest = Manifest(
             source=describe_source(model, dtype),

@@ -66,7 +66,17 @@ def graph_specs(model, dtype: str) -> dict[str, C.GraphSpec]:
         mod = model.eagle_module
         vocab = mod.lm_head.out_features if mod.eagle3 else dims.vocab_size
         specs["draft"] = C.eagle_graph_spec(draft_dims(model, dtype), len(mod.layers), vocab, n_aux=n_aux)
+    # device-side K/V writes for IO binding (graphs.device): one per cache layout
+    specs["kv_update"] = C.kv_update_graph_spec(2 * dims.num_layers, dims.num_kv_heads, dims.head_dim, dtype,
+                                                "kv_update.onnx")
+    if mode == "eagle":
+        dd = draft_dims(model, dtype)
+        specs["draft_kv_update"] = C.kv_update_graph_spec(2 * dd.num_layers, dd.num_kv_heads, dd.head_dim, dtype,
+                                                          "draft_kv_update.onnx")
     return specs
+
+
+TRACED_ROLES = ("base", "draft")  # graphs traced from the model; the others are built (exporter.kvgraph)
 
 
 def _pairs(flat):

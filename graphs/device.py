@@ -21,7 +21,7 @@ class DeviceKVCache:
 
     def __init__(self, update_session: ort.InferenceSession, num_layers: int, batch: int, kv_heads: int,
                  head_dim: int, dtype, device: str = "cuda", device_id: int = 0, capacity: int = 256,
-                 bucket: int = 256):
+                 bucket: int = 64):
         self.update = update_session
         self.num_layers, self.batch, self.kv_heads, self.head_dim = num_layers, batch, kv_heads, head_dim
         self.dtype, self.device, self.device_id, self.bucket = np.dtype(dtype), device, device_id, bucket

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from graphs import contract as C
+from graphs.device import DeviceKVCache, run_bound
 from graphs.kv import KVCache
 from graphs.manifest import Manifest
 from graphs.sampling import greedy_accept, process_logits, sample_accept, typical_accept
@@ -103,16 +104,29 @@ class Decoder:
     """Sessions built once from ``manifest.json``; ``generate``/``stream`` run the decode loop."""
 
     def __init__(self, out_dir, provider: str = "auto", threads: int | None = None,
-                 optimization: str = "all", verify: bool = True):
+                 optimization: str = "all", verify: bool = True, io_binding: bool | None = None):
         self.out_dir = Path(out_dir)
         self.manifest = Manifest.read(self.out_dir, verify=verify)
         self.provider = resolve_provider(provider)
         m = self.manifest
+        # IO binding keeps K/V on the device (graphs.device); the default on CUDA. On the CPU EP the
+        # plain numpy path is as fast (inputs are passed without copies) and simpler.
+        self.io_binding = self.provider == "cuda" if io_binding is None else bool(io_binding)
+        if self.io_binding and "kv_update" not in m.graphs:
+            raise ValueError(f"{out_dir} has no kv_update graph (exported by an older version): re-export it "
+                             f"or pass io_binding=False")
+
+        def session(role):
+            spec = m.graphs.get(role)
+            return make_session(self.out_dir / spec.file, self.provider, threads, optimization) if spec else None
+
         self.base_spec = m.graphs["base"]
         self.draft_spec = m.graphs.get("draft")
-        self.base = make_session(self.out_dir / self.base_spec.file, self.provider, threads, optimization)
-        self.draft = (make_session(self.out_dir / self.draft_spec.file, self.provider, threads, optimization)
-                      if self.draft_spec else None)
+        self.base = session("base")
+        self.draft = session("draft")
+        self.kv_update = session("kv_update") if self.io_binding else None
+        self.draft_kv_update = session("draft_kv_update") if self.io_binding else None
+        self._capacity = 256  # K/V columns to preallocate on the device, set per run
         self.drafter = m.drafter
         self.kind = m.drafter["kind"] if m.drafter else None
         self.dtype = np.dtype(self.base_spec.output(C.LOGITS).dtype)
@@ -125,7 +139,7 @@ class Decoder:
 
             self.tokenizer = Tokenizer.from_file(str(self.out_dir / m.tokenizer))
         self.default_tree = m.tree
-        self._base_outputs = self.base_spec.output_names
+        self._base_host = [t.name for t in self.base_spec.outputs if not t.name.startswith("present.")]
         self._n_layers = m.source["num_layers"]
         self.last_stats: Stats | None = None  # of the last generate/stream run
 
@@ -209,6 +223,7 @@ class Decoder:
         if acceptance == "typical" and self.kind != "medusa":
             raise ValueError("typical acceptance is Medusa's; EAGLE drafts use lossless acceptance")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self._capacity = self._device_capacity(seqs, max_new_tokens)
         rng = np.random.default_rng(seed)
         sampler = _Sampler(temperature, top_p, top_k, rng, acceptance)
         stats = Stats(prompt_tokens=sum(len(s.prompt) for s in seqs))
@@ -268,16 +283,36 @@ class Decoder:
 
     # ------------------------------------------------------------------ graph calls
 
-    def _run_base(self, kv: KVCache, ids, pos, tree_mask) -> dict[str, np.ndarray]:
+    def _device_capacity(self, seqs, max_new_tokens: int) -> int:
+        """K/V columns to preallocate on the device: the whole generation plus one tree (grows if
+        sequences of a batch leave many holes)."""
+        return max(len(s.prompt) for s in seqs) + max_new_tokens + 64
+
+    def _execute(self, session, spec, feed: dict, kv, host: list[str]) -> dict:
+        """Run a graph that reads ``kv``: host inputs in; host outputs and ``present.*`` out.
+
+        With IO binding the past is bound from device buffers and ``present.*`` stay on the device
+        (OrtValues); otherwise everything is numpy and the past buffers are fed without a copy.
+        """
+        if self.io_binding:
+            return run_bound(session, spec, feed, kv, host, self.provider)
+        names = host + [t.name for t in spec.outputs if t.name.startswith("present.")]
+        return dict(zip(names, session.run(names, feed | kv.feed())))
+
+    def _run_base(self, kv, ids, pos, tree_mask) -> dict:
         """One base forward over S new positions per sequence; tree_mask (B, S, S) bool."""
         mask = _full_mask(kv.past_mask(), tree_mask)
-        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, **kv.feed()}
-        return dict(zip(self._base_outputs, self.base.run(self._base_outputs, feed)))
+        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask}
+        return self._execute(self.base, self.base_spec, feed, kv, self._base_host)
 
-    def _presents(self, out: dict, n_layers: int) -> list[np.ndarray]:
+    def _presents(self, out: dict, n_layers: int) -> list:
         return [out[n] for i in range(n_layers) for n in (C.present_key(i), C.present_value(i))]
 
-    def _new_cache(self, batch: int, layers: int, kv_heads: int, head_dim: int) -> KVCache:
+    def _new_cache(self, batch: int, layers: int, kv_heads: int, head_dim: int, draft: bool = False):
+        if self.io_binding:
+            update = self.draft_kv_update if draft else self.kv_update
+            return DeviceKVCache(update, layers, batch, kv_heads, head_dim, self.dtype, device=self.provider,
+                                 capacity=self._capacity)
         return KVCache(layers, batch, kv_heads, head_dim, self.dtype)
 
     def _prefill(self, seqs, stats):
@@ -416,7 +451,7 @@ class Decoder:
         """One drafter forward; feats are the base's (``is_aux``: EAGLE-3 layers) or the drafter's own."""
         bsz = ids.shape[0]
         mask = _full_mask(dkv.past_mask() if past_mask is None else past_mask, tree_mask)
-        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.TOPK_IN: topk, **dkv.feed()}
+        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.TOPK_IN: topk}
         hid_dim = self.manifest.source["hidden_size"]
         if self.drafter.get("eagle3"):
             empty_aux = np.zeros((bsz, 0, hid_dim * len(self.drafter["aux_layer_ids"])), self.dtype)
@@ -424,9 +459,8 @@ class Decoder:
             feed[C.HIDDEN] = np.zeros((bsz, 0, hid_dim), self.dtype) if is_aux else feats
         else:
             feed[C.HIDDEN] = feats
-        names = self.draft_spec.output_names
         t0 = time.perf_counter()
-        out = dict(zip(names, self.draft.run(names, feed)))
+        out = self._execute(self.draft, self.draft_spec, feed, dkv, [C.HIDDEN_OUT, C.TOPK_IDS, C.TOPK_LOGPROBS])
         stats.time_draft += time.perf_counter() - t0
         return out
 
@@ -435,7 +469,7 @@ class Decoder:
         bsz = len(seqs)
         rows = np.arange(bsz)
         d = self.drafter
-        dkv = self._new_cache(bsz, d["num_layers"], d["num_kv_heads"], d["head_dim"])
+        dkv = self._new_cache(bsz, d["num_layers"], d["num_kv_heads"], d["head_dim"], draft=True)
         feat_name = C.AUX_HIDDEN if d.get("eagle3") else C.HIDDEN
         root = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
         yield [(b, [int(root[b])]) for b in rows]
@@ -572,6 +606,11 @@ def _stream_defaults(kwargs: dict) -> dict:
 
 
 def load(out_dir, provider: str = "auto", threads: int | None = None, optimization: str = "all",
-         verify: bool = True) -> Decoder:
-    """Build a :class:`Decoder` from an export directory (checks every file's sha256 first)."""
-    return Decoder(out_dir, provider=provider, threads=threads, optimization=optimization, verify=verify)
+         verify: bool = True, io_binding: bool | None = None) -> Decoder:
+    """Build a :class:`Decoder` from an export directory (checks every file's sha256 first).
+
+    ``provider``: "auto" (CUDA EP when onnxruntime-gpu sees a GPU, else CPU EP), "cuda", "cpu".
+    ``io_binding``: keep K/V on the device and update it in place (default: on for CUDA).
+    """
+    return Decoder(out_dir, provider=provider, threads=threads, optimization=optimization, verify=verify,
+                   io_binding=io_binding)

@@ -252,6 +252,21 @@ def test_batch_of_different_lengths(trained, kind, tree):
     assert [r.token_ids for r in ar] == t.refs[::-1]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_io_binding_path_matches(trained, kind, monkeypatch):
+    """The CUDA code path (IO binding, K/V in device OrtValues, in-place kv_update graph) run on the
+    CPU EP: same greedy tokens as PyTorch, single prompts and a batch, across cache growth."""
+    t = trained(kind)
+    bound = graphs.load(t.out_dir, provider="cpu", threads=1, io_binding=True)
+    assert bound.io_binding and bound.kv_update is not None
+    for p, ref in zip(PROMPTS[:4], t.refs[:4]):
+        assert bound.generate(p, max_new_tokens=N_NEW).token_ids == ref
+    results = bound.generate(PROMPTS, max_new_tokens=N_NEW)
+    assert [r.token_ids for r in results] == t.refs
+    monkeypatch.setattr(bound, "_device_capacity", lambda seqs, n: 4)  # grow the device buffers mid-run
+    assert [r.token_ids for r in bound.generate(PROMPTS[:3], max_new_tokens=N_NEW)] == t.refs[:3]
+
+
 def test_medusa_tree_file(trained, tmp_path):
     t = trained("medusa")
     f = tmp_path / "tree.json"
