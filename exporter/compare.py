@@ -374,6 +374,21 @@ def compare(model_dir, out_dir, provider: str = "cpu", drafter=None) -> CompareR
     return compare_model(load_model(model_dir, drafter=drafter), out_dir, provider=provider)
 
 
+def _main_e2e(args) -> int:
+    import graphs
+    from exporter import e2e
+    from exporter.loading import load_model
+
+    model = load_model(args.model_dir, drafter=args.drafter)
+    decoder = graphs.load(args.out_dir, provider=args.provider)
+    prompts = args.prompt or e2e.default_prompts(decoder)
+    rows = e2e.compare_tokens(model, decoder, prompts, max_new_tokens=args.max_new_tokens)
+    print(e2e.table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(e2e.to_json(rows), indent=2) + "\n")
+    return 0 if all(r.ok for r in rows) else 1
+
+
 def main(argv=None) -> int:
     from exporter.cli import ArgumentParser, run_cli
 
@@ -383,10 +398,16 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", help="the drafter file passed to export, if any")
     ap.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--json", help="also write the report as JSON to this file")
+    ap.add_argument("--e2e", action="store_true",
+                    help="end to end: greedy tokens of PyTorch vs the runtime (speculative and autoregressive)")
+    ap.add_argument("--prompt", action="append", help="prompt for --e2e (repeatable; default: built-in prompts)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt for --e2e")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_intermixed_args(argv)
 
     def body():
+        if args.e2e:
+            return _main_e2e(args)
         report = compare(args.model_dir, args.out_dir, provider=args.provider, drafter=args.drafter)
         print(report.table())
         if args.json:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from exporter.loading import UserError, load_model
 from exporter.kvgraph import build_kv_update
-from exporter.trace import OPSET, TORCH_DTYPES, aux_layer_ids, export_graph, graph_specs
+from exporter.loading import UserError, load_model
+from exporter.trace import OPSET, TORCH_DTYPES, TRACED_ROLES, aux_layer_ids, export_graph, graph_specs
 from graphs.manifest import Manifest
 
 # Files copied from model_dir so that the runtime can tokenize and stop without transformers.
@@ -368,7 +368,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         manifest = export(model_dir, out_dir, drafter=args.drafter, dtype=args.dtype,
                           overwrite=args.overwrite, opset=args.opset, validate=not args.no_validate)
-        graphs = ", ".join(g.file for g in manifest.graphs.values())
+        graphs = ", ".join(manifest.graphs[r].file for r in TRACED_ROLES if r in manifest.graphs)
         print(f"exported {graphs} to {out_dir} in {time.perf_counter() - t0:.1f} s")
         return 0
 

@@ -117,7 +117,7 @@ def test_tampered_without_rehash_is_refused(exported, tiny_model_dir, tmp_path, 
     ("model", "out", "fragment"),
     [
         (("medusa", "llama"), "missing", "is not a directory"),
-        (("base", "llama"), ("medusa", "llama"), "exports to ['base']"),
+        (("base", "llama"), ("medusa", "llama"), "exports to ['base', 'kv_update']"),
         (("eagle", "llama"), ("eagle3", "llama"), "does not have this model's inputs/outputs"),
     ],
 )
@@ -194,3 +194,28 @@ def test_compare_arrays_topk_ids_are_agreement_only():
     got = np.array([[3, 1], [0, 2]])  # tied scores may come out in either order
     r = compare_arrays(ref, got, TOL, "topk_ids")
     assert r["ok"] is True and r["top1"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_e2e_tokens_match(capsys, exported, tiny_model_dir, tmp_path, kind):
+    """--e2e: PyTorch greedy tokens == runtime speculative == runtime autoregressive, per prompt."""
+    report_file = tmp_path / "e2e.json"
+    rc, out, err = run_compare(capsys, tiny_model_dir(kind), exported(kind), "--e2e", "--max-new-tokens", 12,
+                               "--json", report_file)
+    assert rc == 0, err
+    assert "PASS: greedy tokens identical" in out
+    report = json.loads(report_file.read_text())
+    assert report["ok"] and len(report["rows"]) == 4
+    for row in report["rows"]:
+        assert row["torch_tokens"] == row["speculative_tokens"] == row["autoregressive_tokens"]
+        assert len(row["torch_tokens"]) == 12 or row["torch_tokens"][-1] == 2  # length, or stopped at EOS
+
+
+def test_e2e_reports_a_divergence():
+    from exporter.e2e import TokenRow, _first_mismatch, table
+
+    assert _first_mismatch([1, 2, 3], [1, 2, 3], [1, 2, 3]) is None
+    assert _first_mismatch([1, 2, 3], [1, 5, 3], [1, 2, 3]) == 1
+    assert _first_mismatch([1, 2], [1, 2, 3], [1, 2]) == 2
+    row = TokenRow("p", [1, 2], [1, 3], [1, 2], 1, 1.5)
+    assert "DIFFER at new token 1" in table([row]) and "FAIL" in table([row])
