@@ -73,10 +73,16 @@ class KVCache:
         a = idx.shape[1]
         self.reserve(a)
         w = self.w
-        gather = idx[:, None, :, None]  # (B, 1, A, 1) broadcast over heads and head_dim
-        for i in range(self.num_layers):
-            self.keys[i][:, :, w : w + a] = np.take_along_axis(presents[2 * i], gather, axis=2)
-            self.values[i][:, :, w : w + a] = np.take_along_axis(presents[2 * i + 1], gather, axis=2)
+        if self.batch == 1:  # the common case: a plain take along the sequence axis
+            rows = idx[0]
+            for i in range(self.num_layers):
+                self.keys[i][:, :, w : w + a] = presents[2 * i][:, :, rows]
+                self.values[i][:, :, w : w + a] = presents[2 * i + 1][:, :, rows]
+        else:
+            b = np.arange(self.batch)[:, None]  # (B, 1) with idx (B, A): picks (B, A, kv, hd)
+            for i in range(self.num_layers):
+                self.keys[i][:, :, w : w + a] = presents[2 * i][b, :, idx].transpose(0, 2, 1, 3)
+                self.values[i][:, :, w : w + a] = presents[2 * i + 1][b, :, idx].transpose(0, 2, 1, 3)
         self.valid[:, w : w + a] = np.arange(a)[None, :] < counts[:, None]
         self.w = w + a
         return w

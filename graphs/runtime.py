@@ -362,13 +362,14 @@ class Decoder:
         else:
             yield from self._eagle(seqs, sampler, stats, self._eagle_tree(tree))
 
-    def _verify_and_accept(self, kv, seqs, sampler, stats, trees: list[Tree], tokens: np.ndarray, pos):
+    def _verify_and_accept(self, kv, seqs, sampler, stats, trees: list[Tree], tokens: np.ndarray, pos,
+                           layout=None):
         """Verify (B, T) candidate tokens in one base forward; commit accepted K/V rows.
 
+        ``layout``: (depth (B, T), mask (B, T, T)) when the trees are known in advance (static).
         Returns (base outputs, accepted node lists, bonus tokens)."""
         bsz, t = tokens.shape
-        depth = np.stack([_pad(tr.depth, t, 0) for tr in trees])  # (B, T)
-        mask = np.stack([_pad_mask(tr.mask, t) for tr in trees])  # (B, T, T)
+        depth, mask = layout or _tree_layout(trees, t)
         t0 = time.perf_counter()
         out = self._run_base(kv, tokens, pos[:, None] + depth, mask)
         stats.time_verify += time.perf_counter() - t0
@@ -412,12 +413,13 @@ class Decoder:
         yield [(b, [int(root[b])]) for b in rows]
         topk = np.array([int(tree.rank.max()) + 1], dtype=np.int64)
         trees = [tree] * bsz
+        layout = _tree_layout(trees, tree.size)  # static: built once
         while True:
             t0 = time.perf_counter()
             (ids,) = self.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden[:, None], C.TOPK_IN: topk})
             stats.time_draft += time.perf_counter() - t0
             cand = _medusa_candidates(tree, root, ids[:, 0])  # (B, T)
-            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos)
+            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout)
             emitted = []
             for b in rows:
                 a = accepted[b]
@@ -579,6 +581,13 @@ def _find_stop(text: str, stops: list[str], start: int) -> int | None:
     """Where the earliest stop string begins in ``text[start:]`` (an index into ``text``), or None."""
     hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
     return min(hits) if hits else None
+
+
+def _tree_layout(trees: list[Tree], t: int) -> tuple[np.ndarray, np.ndarray]:
+    """(depth (B, T), mask (B, T, T)) of per-sequence trees padded to T nodes."""
+    depth = np.stack([_pad(tr.depth, t, 0) for tr in trees])
+    mask = np.stack([_pad_mask(tr.mask, t) for tr in trees])
+    return depth, mask
 
 
 def _pad(x: np.ndarray, n: int, value) -> np.ndarray:

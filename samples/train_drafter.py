@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a script: python samples/train_drafter.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from samples.demo_model import MODES, Clock, DemoSpec, build_demo_model
 
