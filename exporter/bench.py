@@ -52,7 +52,11 @@ def _tree_sizes(decoder) -> list:
 
     if decoder.kind == "medusa":
         heads = decoder.drafter["num_heads"]
-        return [default_medusa_paths(heads, size=s) for s in (2, 4, 8, 12, 16, 24, 32)]
+        trees = {}
+        for s in (2, 4, 8, 12, 16, 24, 32):
+            paths = default_medusa_paths(heads, size=s)
+            trees.setdefault(len(paths), paths)  # the heuristic stops growing where paths get unlikely
+        return list(trees.values())
     return [{"topk": k, "depth": d, "total_tokens": t}
             for k, d, t in [(1, 2, 3), (2, 3, 6), (4, 4, 8), (4, 4, 12), (6, 5, 16), (8, 5, 24), (8, 6, 32)]]
 

@@ -16,7 +16,6 @@ anyway), so acceptance is high and stable; correctness (equality) does not depen
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import write_tiny_tokenizer
+from helpers import torch_threads
 
 import graphs
 from exporter.export import export
@@ -69,17 +69,6 @@ CASES = [("medusa", name) for name in MEDUSA_TREES] + [
 
 def _tree(kind: str, name: str):
     return (MEDUSA_TREES if kind == "medusa" else EAGLE_TREES)[name]
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    """Few threads: the 2-core CI machines are shared, and oversubscribed OpenMP crawls."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def sharpened_base():
@@ -158,7 +147,7 @@ class Trained:
 @pytest.fixture(scope="session")
 def references():
     """PyTorch greedy continuations of PROMPTS (HF generate on the unconverted base) + training text."""
-    with _torch_threads(1):
+    with torch_threads(1):
         base = sharpened_base()
         refs = [hf_greedy(base, p, N_NEW) for p in PROMPTS]
         extra = greedy_rollouts(base, n=48, prompt_len=4, new=N_NEW, seed=7)
@@ -175,7 +164,7 @@ def trained(references, tmp_path_factory):
     def make(kind: str) -> Trained:
         if kind not in cache:
             root = tmp_path_factory.mktemp(f"trained-{kind}")
-            with _torch_threads(1):
+            with torch_threads(1):
                 torch.manual_seed(1)
                 model = convert(sharpened_base(), [copy.deepcopy(DRAFTERS[kind])])
                 targets = set_draft_vocab(model, seqs) if kind == "eagle3" else None
@@ -316,7 +305,7 @@ def test_long_generation_crosses_cache_buckets(trained, kind):
     """150 new tokens: both K/V caches grow past several 64-column buckets mid-run."""
     t = trained(kind)
     p = PROMPTS[-1]
-    with _torch_threads(1):
+    with torch_threads(1):
         ref = hf_greedy(sharpened_base(), p, 150)
     r = t.decoder.generate(p, max_new_tokens=150)
     assert r.token_ids == ref

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import itertools
-import math
 import zlib
 
 import numpy as np
 import pytest
+from helpers import chi2_sf
 
 from graphs.sampling import greedy_accept, process_logits, sample_accept, typical_accept
 from graphs.trees import Tree
@@ -105,39 +105,6 @@ def test_process_logits_rejects_bad_arguments():
 # Lossless speculative sampling: a statistical test that can fail
 
 
-def _chi2_sf(x: float, df: int) -> float:
-    """P(chi2_df > x) = Q(df / 2, x / 2), the regularized upper incomplete gamma function."""
-    a, z = df / 2.0, x / 2.0
-    if z <= 0:
-        return 1.0
-    log_front = a * math.log(z) - z - math.lgamma(a)
-    if z < a + 1:  # series for P(a, z)
-        term = total = 1.0 / a
-        n = a
-        while abs(term) > 1e-15 * abs(total):
-            n += 1
-            term *= z / n
-            total += term
-        return max(0.0, 1.0 - total * math.exp(log_front))
-    # continued fraction for Q(a, z) (modified Lentz)
-    tiny = 1e-300
-    b = z + 1 - a
-    c, d = 1 / tiny, 1 / b
-    h = d
-    for i in range(1, 1000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1 / d
-        h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return h * math.exp(log_front)
-
-
 def _chi2_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
     """Goodness of fit of counts to probabilities; cells with probability 0 must be empty."""
     observed, probs = observed.ravel(), probs.ravel()
@@ -148,14 +115,14 @@ def _chi2_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
     try:
         from scipy.stats import chi2
     except ImportError:
-        return _chi2_sf(stat, obs.size - 1)
+        return chi2_sf(stat, obs.size - 1)
     return float(chi2.sf(stat, obs.size - 1))
 
 
 @pytest.mark.parametrize(("x", "df"), [(3.841, 1), (18.307, 10), (0.5, 3), (40.0, 35), (90.0, 35), (1e-3, 2)])
 def test_chi2_fallback_matches_tables(x, df):
     scipy_stats = pytest.importorskip("scipy.stats")
-    assert _chi2_sf(x, df) == pytest.approx(scipy_stats.chi2.sf(x, df), rel=1e-9, abs=1e-14)
+    assert chi2_sf(x, df) == pytest.approx(scipy_stats.chi2.sf(x, df), rel=1e-9, abs=1e-14)
 
 
 # A toy base model over V = 6 tokens and one tree covering the hard cases:

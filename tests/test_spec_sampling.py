@@ -14,12 +14,12 @@ can fail.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
 import pytest
 import torch
+from helpers import chi2_sf, torch_threads
 
 import graphs
 import graphs.runtime
@@ -39,16 +39,6 @@ DRAFTERS = {
     "medusa": ("medusa", {"medusa_num_heads": 2, "medusa_num_layers": 1}),
     "eagle": ("eagle", {"eagle_num_layers": 1}),
 }
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _base():
@@ -86,7 +76,7 @@ def _distill(model, ids: torch.Tensor, steps: int = 120, batch: int = 32, lr: fl
 def setup(tmp_path_factory):
     """(decoders by kind, the base model): drafters self-distilled on sampled text, exported, loaded."""
     decoders = {}
-    with _torch_threads(1):
+    with torch_threads(1):
         base = _base()
         text = _sampled_text(base, n=96, length=24, seed=1)
         for kind, drafter in DRAFTERS.items():
@@ -130,40 +120,6 @@ def exact_joint(model, temperature=1.0, top_k=0, top_p=1.0) -> np.ndarray:
     p3 = _warp(model(input_ids=two).logits[:, -1], temperature, top_k, top_p).reshape(v, v, v)
     joint = p1[:, None, None] * p2[:, :, None] * p3
     return joint.numpy()
-
-
-def chi2_sf(x: float, dof: int) -> float:
-    """P(X >= x) for X ~ chi-square(dof): the regularized upper incomplete gamma Q(dof/2, x/2)."""
-    a, z = dof / 2.0, x / 2.0
-    if z <= 0:
-        return 1.0
-    log_pre = a * math.log(z) - z - math.lgamma(a)
-    if z < a + 1:  # series for P, Q = 1 - P
-        term = total = 1.0 / a
-        n = a
-        while abs(term) > abs(total) * 1e-15:
-            n += 1
-            term *= z / n
-            total += term
-        return max(0.0, 1.0 - total * math.exp(log_pre))
-    # continued fraction for Q (modified Lentz)
-    tiny = 1e-300
-    b = z + 1.0 - a
-    c, d = 1.0 / tiny, 1.0 / b
-    h = d
-    for i in range(1, 10_000):
-        an = -i * (i - a)
-        b += 2.0
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1.0 / d
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < 1e-15:
-            break
-    return math.exp(log_pre) * h
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> tuple[float, int, float]:

@@ -1,0 +1,53 @@
+"""Shared test helpers: a chi-square p-value without scipy, and a torch-threads context."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+
+def chi2_sf(x: float, dof: int) -> float:
+    """P(X >= x) for X ~ chi-square(dof): the regularized upper incomplete gamma Q(dof/2, x/2)."""
+    a, z = dof / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    log_pre = a * math.log(z) - z - math.lgamma(a)
+    if z < a + 1:  # series for P, Q = 1 - P
+        term = total = 1.0 / a
+        n = a
+        while abs(term) > abs(total) * 1e-15:
+            n += 1
+            term *= z / n
+            total += term
+        return max(0.0, 1.0 - total * math.exp(log_pre))
+    # continued fraction for Q (modified Lentz)
+    tiny = 1e-300
+    b = z + 1.0 - a
+    c, d = 1.0 / tiny, 1.0 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2.0
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1.0 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-15:
+            break
+    return math.exp(log_pre) * h
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Few threads: the 2-core CI machines are shared, and oversubscribed OpenMP crawls."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
