@@ -14,33 +14,27 @@ import numpy as np
 import onnxruntime as ort
 
 from graphs import contract as C
+from graphs.kv import Columns
 
 
-class DeviceKVCache:
+class DeviceKVCache(Columns):
     """Same interface as :class:`graphs.kv.KVCache`, buffers on ``device``."""
 
     def __init__(self, update_session: ort.InferenceSession, num_layers: int, batch: int, kv_heads: int,
                  head_dim: int, dtype, device: str = "cuda", device_id: int = 0, capacity: int = 256,
                  bucket: int = 64):
+        super().__init__(num_layers, batch, kv_heads, head_dim, dtype, bucket)
         self.update = update_session
-        self.num_layers, self.batch, self.kv_heads, self.head_dim = num_layers, batch, kv_heads, head_dim
-        self.dtype, self.device, self.device_id, self.bucket = np.dtype(dtype), device, device_id, bucket
-        self.capacity, self.w = 0, 0
+        self.device, self.device_id = device, device_id
         self.buffers: list[ort.OrtValue] = []  # K0, V0, K1, V1, ... (the kv_update graph's order)
-        self.valid = np.zeros((batch, 0), dtype=bool)
-        self.reserve(capacity)
-
-    def _zeros(self, cap: int) -> ort.OrtValue:
-        host = np.zeros((self.batch, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
-        return ort.OrtValue.ortvalue_from_numpy(host, self.device, self.device_id)
+        self.reserve(max(capacity, 1))  # always allocate: the past is bound before the first write
 
     def reserve(self, extra: int) -> None:
         """Room for ``extra`` columns past the write pointer; growing copies once through the host
         (rare: capacity is sized for the whole generation up front)."""
-        need = self.w + extra
-        if need <= self.capacity and self.buffers:
+        cap = self._new_capacity(extra)
+        if cap is None:
             return
-        cap = max(-(-need // self.bucket) * self.bucket, self.bucket)
         new = []
         for j in range(2 * self.num_layers):
             buf = np.zeros((self.batch, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
@@ -48,17 +42,12 @@ class DeviceKVCache:
                 buf[:, :, : self.w] = self.buffers[j].numpy()[:, :, : self.w]
             new.append(ort.OrtValue.ortvalue_from_numpy(buf, self.device, self.device_id))
         self.buffers = new
-        valid = np.zeros((self.batch, cap), dtype=bool)
-        valid[:, : self.w] = self.valid[:, : self.w]
-        self.valid, self.capacity = valid, cap
+        self._grow_valid(cap)
 
     def bind_past(self, io: ort.IOBinding) -> None:
         for i in range(self.num_layers):
             io.bind_ortvalue_input(C.past_key(i), self.buffers[2 * i])
             io.bind_ortvalue_input(C.past_value(i), self.buffers[2 * i + 1])
-
-    def past_mask(self) -> np.ndarray:
-        return self.valid
 
     def append(self, presents: list[ort.OrtValue], idx: np.ndarray, counts: np.ndarray) -> int:
         """Write ``presents[j][:, :, idx[b]]`` to columns w..w+A-1 in place (one graph run)."""
@@ -73,13 +62,7 @@ class DeviceKVCache:
         io.bind_cpu_input(C.ACCEPT_INDEX, np.ascontiguousarray(idx, dtype=np.int64))
         io.bind_cpu_input(C.WRITE_START, np.array([w], dtype=np.int64))
         self.update.run_with_iobinding(io)
-        self.valid[:, w : w + a] = np.arange(a)[None, :] < counts[:, None]
-        self.w = w + a
-        return w
-
-    def truncate(self, w: int) -> None:
-        self.valid[:, w : self.w] = False
-        self.w = w
+        return self._mark(a, counts)
 
 
 def run_bound(session: ort.InferenceSession, spec: C.GraphSpec, feed: dict[str, np.ndarray],

@@ -20,16 +20,54 @@ import numpy as np
 from graphs import contract as C
 
 
-class KVCache:
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype, bucket: int = 64):
+class Columns:
+    """Which cache columns hold a real token, per sequence, and where the next write goes.
+
+    Shared by the host (:class:`KVCache`) and device (:class:`graphs.device.DeviceKVCache`) caches.
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype, bucket: int):
         self.num_layers, self.batch, self.kv_heads, self.head_dim = num_layers, batch, kv_heads, head_dim
         self.dtype = np.dtype(dtype)
         self.bucket = bucket
         self.capacity = 0
         self.w = 0  # write pointer: columns [0, w) are written (valid or holes)
+        self.valid = np.zeros((batch, 0), dtype=bool)  # (B, capacity)
+
+    def _new_capacity(self, extra: int) -> int | None:
+        """The grown capacity if ``extra`` more columns do not fit, else None."""
+        need = self.w + extra
+        if need <= self.capacity:
+            return None
+        return max(-(-need // self.bucket) * self.bucket, self.bucket)
+
+    def _grow_valid(self, cap: int) -> None:
+        valid = np.zeros((self.batch, cap), dtype=bool)
+        valid[:, : self.w] = self.valid[:, : self.w]
+        self.valid, self.capacity = valid, cap
+
+    def _mark(self, a: int, counts: np.ndarray) -> int:
+        """Columns w..w+a-1 were written; the first counts[b] are real for sequence b."""
+        w = self.w
+        self.valid[:, w : w + a] = np.arange(a)[None, :] < counts[:, None]
+        self.w = w + a
+        return w
+
+    def past_mask(self) -> np.ndarray:
+        """(B, capacity) bool: the columns each sequence may attend."""
+        return self.valid
+
+    def truncate(self, w: int) -> None:
+        """Forget every column from ``w`` on (temporary draft-tree rows)."""
+        self.valid[:, w : self.w] = False
+        self.w = w
+
+
+class KVCache(Columns):
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype, bucket: int = 64):
+        super().__init__(num_layers, batch, kv_heads, head_dim, dtype, bucket)
         self.keys = [self._alloc(0) for _ in range(num_layers)]
         self.values = [self._alloc(0) for _ in range(num_layers)]
-        self.valid = np.zeros((batch, 0), dtype=bool)  # (B, capacity)
 
     def _alloc(self, cap: int) -> np.ndarray:
         # zeros, not empty: masked columns are still multiplied by softmax weights of 0
@@ -37,31 +75,23 @@ class KVCache:
 
     def reserve(self, extra: int) -> None:
         """Make room for ``extra`` more columns beyond the write pointer."""
-        need = self.w + extra
-        if need <= self.capacity:
+        cap = self._new_capacity(extra)
+        if cap is None:
             return
-        cap = -(-need // self.bucket) * self.bucket
         for bufs in (self.keys, self.values):
             for i, old in enumerate(bufs):
                 new = self._alloc(cap)
                 new[:, :, : self.w] = old[:, :, : self.w]
                 bufs[i] = new
-        valid = np.zeros((self.batch, cap), dtype=bool)
-        valid[:, : self.w] = self.valid[:, : self.w]
-        self.valid = valid
-        self.capacity = cap
+        self._grow_valid(cap)
 
-    def feed(self, names: tuple[list[str], list[str]] | None = None) -> dict[str, np.ndarray]:
+    def feed(self) -> dict[str, np.ndarray]:
         """The past inputs of a graph: ``past_key_values.{i}.key/value`` -> whole buffers."""
         feed = {}
         for i in range(self.num_layers):
             feed[C.past_key(i)] = self.keys[i]
             feed[C.past_value(i)] = self.values[i]
         return feed
-
-    def past_mask(self) -> np.ndarray:
-        """(B, capacity) bool: the columns each sequence may attend."""
-        return self.valid
 
     def append(self, presents: list[np.ndarray], idx: np.ndarray, counts: np.ndarray) -> int:
         """Write accepted rows of the new positions; returns the first column written.
@@ -83,11 +113,4 @@ class KVCache:
             for i in range(self.num_layers):
                 self.keys[i][:, :, w : w + a] = presents[2 * i][b, :, idx].transpose(0, 2, 1, 3)
                 self.values[i][:, :, w : w + a] = presents[2 * i + 1][b, :, idx].transpose(0, 2, 1, 3)
-        self.valid[:, w : w + a] = np.arange(a)[None, :] < counts[:, None]
-        self.w = w + a
-        return w
-
-    def truncate(self, w: int) -> None:
-        """Forget every column from ``w`` on (temporary draft-tree rows)."""
-        self.valid[:, w : self.w] = False
-        self.w = w
+        return self._mark(a, counts)
