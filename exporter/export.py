@@ -38,7 +38,6 @@ COPIED_FILES = (
 )
 EXTERNAL_DATA_BYTES = 1 << 31  # protobuf's 2 GB limit: larger graphs keep weights in one .data file
 
-DEFAULT_EAGLE_TREE = {"topk": 4, "depth": 4, "total_tokens": 12}  # small trees pay off on CPUs
 
 
 class Steps:
@@ -189,7 +188,7 @@ def describe_source(model, dtype: str) -> dict:
 
 def describe_drafter(model) -> tuple[dict | None, dict]:
     """(manifest ``drafter`` entry, default ``tree``)."""
-    from graphs.trees import default_medusa_paths
+    from graphs.trees import DEFAULT_EAGLE_TREE, default_medusa_paths
 
     mode = getattr(model, "spec_mode", None)
     if mode is None:

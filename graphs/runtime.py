@@ -33,7 +33,7 @@ from graphs.kv import KVCache
 from graphs.manifest import Manifest
 from graphs.sampling import greedy_accept, process_logits, sample_accept, typical_accept
 from graphs.sessions import make_session, resolve_provider
-from graphs.trees import DynamicTreeBuilder, Tree, default_medusa_paths, load_tree_file, medusa_tree
+from graphs.trees import DEFAULT_EAGLE_TREE, DynamicTreeBuilder, Tree, default_medusa_paths, load_tree_file, medusa_tree
 
 
 @dataclass
@@ -432,7 +432,7 @@ class Decoder:
     # EAGLE ------------------------------------------------------------------------------
 
     def _eagle_tree(self, tree) -> dict:
-        cfg = dict(self.default_tree.get("eagle") or {"topk": 4, "depth": 4, "total_tokens": 12})
+        cfg = dict(self.default_tree.get("eagle") or DEFAULT_EAGLE_TREE)
         if isinstance(tree, (str, Path)):
             import json
 

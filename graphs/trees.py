@@ -203,9 +203,10 @@ def medusa_candidates_batch(tree: Tree, root_tokens: np.ndarray, topk_ids: np.nd
 _TOP1 = 0.6
 _HEAD_DECAY = 0.8
 _RANK_DECAY = 0.3
-# 10 tokens: on CPU a tree is not free (DESIGN.md: 8 tokens 9.1 ms, 16 tokens 10.9 ms, vs 6.5 ms
-# for one), so the default stays at the low end of the measured sweet spot of 8-16 tokens.
-DEFAULT_MEDUSA_TREE_SIZE = 10
+# 8 tokens: on CPU a tree is not free (DESIGN.md: 8 tokens 9.1 ms, 16 tokens 10.9 ms, vs 6.5 ms
+# for one). Measured with exporter.bench --sweep (3 heads, 2 cores): 8 tokens was fastest on the
+# 0.9M demo model (1.48x; 12 tokens 1.19x) and the 19M one (1.98x; 12 tokens 1.72x, 15 tokens 1.58x).
+DEFAULT_MEDUSA_TREE_SIZE = 8
 # Nodes whose assumed acceptance is below this are never worth a tree slot (and would need a large
 # top-k from the heads: with this floor no path uses a rank above 3, so K = 4 suffices).
 _MIN_PATH_PROB = 0.01
@@ -290,6 +291,13 @@ class Frontier:
     @property
     def size(self) -> int:
         return int(self.node_ids.shape[0])
+
+
+# EAGLE-2 defaults for CPUs, measured (python -m exporter.bench --sweep, 2 cores): every drafter call
+# costs a fixed ~0.5-1 ms and a tree of T tokens costs ~T/8 base forwards, so a narrow, shallow tree
+# wins: on a 19M-parameter Llama (topk, depth, total_tokens) = (2, 3, 6) ran 1.3x faster than (4, 4, 12)
+# and (8, 6, 32) 2x slower. GPUs want larger trees (EAGLE-2 uses 10, 6, 60): pass tree=... there.
+DEFAULT_EAGLE_TREE = {"topk": 2, "depth": 3, "total_tokens": 6}
 
 
 class DynamicTreeBuilder:
