@@ -196,6 +196,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
+        from graphs.sessions import use_shared_thread_pool
+
+        use_shared_thread_pool(args.threads)  # one ORT pool for base, draft and K/V sessions
         tree = None
         if args.tree:
             tree = json.loads(Path(args.tree).read_text())

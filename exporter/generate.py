@@ -35,6 +35,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
+        from graphs.sessions import use_shared_thread_pool
+
+        use_shared_thread_pool(args.threads)  # one ORT pool for base, draft and K/V sessions
         import graphs
 
         decoder = graphs.load(args.out_dir, provider=args.provider, threads=args.threads)

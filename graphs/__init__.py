@@ -7,5 +7,6 @@ and tokenizers, nothing more.
 """
 
 from graphs.runtime import Decoder, GenerationResult, Stats, load
+from graphs.sessions import use_shared_thread_pool
 
-__all__ = ["Decoder", "GenerationResult", "Stats", "load"]
+__all__ = ["Decoder", "GenerationResult", "Stats", "load", "use_shared_thread_pool"]
