@@ -31,64 +31,9 @@ from graphs import contract as C
 from graphs.device import DeviceKVCache, run_bound
 from graphs.kv import KVCache
 from graphs.manifest import Manifest
-from graphs.sampling import greedy_accept, process_logits, sample_accept, typical_accept
+from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
 from graphs.sessions import make_session, resolve_provider
 from graphs.trees import DEFAULT_EAGLE_TREE, DynamicTreeBuilder, Tree, default_medusa_paths, load_tree_file, medusa_tree
-
-
-@dataclass
-class Stats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    steps: int = 0  # base forwards after prefill
-    accepted: list[int] = field(default_factory=list)  # tokens emitted per (step, live sequence)
-    time_prefill: float = 0.0
-    time_draft: float = 0.0
-    time_verify: float = 0.0
-    time_total: float = 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return float(np.mean(self.accepted)) if self.accepted else 0.0
-
-    @property
-    def time_host(self) -> float:
-        return max(0.0, self.time_total - self.time_prefill - self.time_draft - self.time_verify)
-
-    @property
-    def tokens_per_s(self) -> float:
-        decode = self.time_total - self.time_prefill
-        return self.new_tokens / decode if decode > 0 else 0.0
-
-    def to_json(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "steps": self.steps,
-            "mean_accepted_length": self.mean_accepted_length,
-            "accepted_histogram": np.bincount(self.accepted).tolist() if self.accepted else [],
-            "tokens_per_s": self.tokens_per_s,
-            "time_prefill": self.time_prefill,
-            "time_draft": self.time_draft,
-            "time_verify": self.time_verify,
-            "time_host": self.time_host,
-            "time_total": self.time_total,
-        }
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str  # "eos" | "stop" | "length"
-    stats: Stats
-
-
-@dataclass
-class StreamEvent:
-    index: int  # which prompt of the batch
-    token_ids: list[int]  # tokens accepted this step
-    text: str  # their text ("" without a tokenizer)
 
 
 @dataclass
@@ -225,7 +170,7 @@ class Decoder:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         self._capacity = self._device_capacity(seqs, max_new_tokens)
         rng = np.random.default_rng(seed)
-        sampler = _Sampler(temperature, top_p, top_k, rng, acceptance)
+        sampler = Sampler(temperature, top_p, top_k, rng, acceptance)
         stats = Stats(prompt_tokens=sum(len(s.prompt) for s in seqs))
         t_start = time.perf_counter()
         steps = {"autoregressive": self._autoregressive, "speculative": self._speculative}[mode]
@@ -530,34 +475,6 @@ class Decoder:
                 pos[b] += len(acc)
                 root[b] = bonus[b]
             yield emitted
-
-
-class _Sampler:
-    """Greedy when temperature == 0; otherwise the base distribution after temperature/top-k/top-p."""
-
-    def __init__(self, temperature, top_p, top_k, rng, acceptance):
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
-        self.temperature, self.top_p, self.top_k, self.rng = temperature, top_p, top_k, rng
-        self.acceptance = acceptance
-
-    def token(self, logits: np.ndarray) -> int:
-        if self.temperature == 0:
-            return int(np.argmax(logits))
-        p = process_logits(logits, self.temperature, self.top_p, self.top_k)
-        return int(self.rng.choice(p.shape[-1], p=p / p.sum()))
-
-    def accept(self, tree: Tree, tokens: np.ndarray, logits: np.ndarray):
-        if self.temperature == 0:
-            return greedy_accept(tree, tokens, logits)
-        probs = process_logits(logits, self.temperature, self.top_p, self.top_k)
-        if self.acceptance == "typical":
-            return typical_accept(tree, tokens, probs, self.rng)
-        return sample_accept(tree, tokens, probs, self.rng)
 
 
 def _medusa_candidates(tree: Tree, root: np.ndarray, topk_ids: np.ndarray) -> np.ndarray:

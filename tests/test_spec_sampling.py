@@ -22,6 +22,7 @@ import torch
 from helpers import chi2_sf, torch_threads
 
 import graphs
+import graphs.results
 import graphs.runtime
 from exporter.export import export
 from exporter.speculative import convert, enable_huggingface_checkpointing
@@ -224,7 +225,7 @@ def _accept_or_resample_wrongly(tree, tokens, probs, rng):
 @pytest.mark.parametrize("rule", [_accept_first_child, _accept_or_resample_wrongly])
 def test_the_test_detects_a_biased_acceptance(setup, monkeypatch, rule):
     decoders, base = setup
-    monkeypatch.setattr(graphs.runtime, "sample_accept", rule)
+    monkeypatch.setattr(graphs.results, "sample_accept", rule)
     counts, _ = sample_counts(decoders["medusa"], seeds=range(200, 202), temperature=1.0)
     stat, dof, p = chi_square(counts, exact_joint(base))
     print(f"\n{rule.__name__}: chi2 {stat:.1f} dof {dof} p {p:.3g}")

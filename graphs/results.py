@@ -1,0 +1,93 @@
+"""What a decode run returns (results, stats, stream events) and how it picks tokens (Sampler)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from graphs.sampling import greedy_accept, process_logits, sample_accept, typical_accept
+from graphs.trees import Tree
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # base forwards after prefill
+    accepted: list[int] = field(default_factory=list)  # tokens emitted per (step, live sequence)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_total: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return float(np.mean(self.accepted)) if self.accepted else 0.0
+
+    @property
+    def time_host(self) -> float:
+        return max(0.0, self.time_total - self.time_prefill - self.time_draft - self.time_verify)
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = self.time_total - self.time_prefill
+        return self.new_tokens / decode if decode > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "mean_accepted_length": self.mean_accepted_length,
+            "accepted_histogram": np.bincount(self.accepted).tolist() if self.accepted else [],
+            "tokens_per_s": self.tokens_per_s,
+            "time_prefill": self.time_prefill,
+            "time_draft": self.time_draft,
+            "time_verify": self.time_verify,
+            "time_host": self.time_host,
+            "time_total": self.time_total,
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "eos" | "stop" | "length"
+    stats: Stats
+
+
+@dataclass
+class StreamEvent:
+    index: int  # which prompt of the batch
+    token_ids: list[int]  # tokens accepted this step
+    text: str  # their text ("" without a tokenizer)
+
+
+class Sampler:
+    """Greedy when temperature == 0; otherwise the base distribution after temperature/top-k/top-p."""
+
+    def __init__(self, temperature, top_p, top_k, rng, acceptance):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        self.temperature, self.top_p, self.top_k, self.rng = temperature, top_p, top_k, rng
+        self.acceptance = acceptance
+
+    def token(self, logits: np.ndarray) -> int:
+        if self.temperature == 0:
+            return int(np.argmax(logits))
+        p = process_logits(logits, self.temperature, self.top_p, self.top_k)
+        return int(self.rng.choice(p.shape[-1], p=p / p.sum()))
+
+    def accept(self, tree: Tree, tokens: np.ndarray, logits: np.ndarray):
+        if self.temperature == 0:
+            return greedy_accept(tree, tokens, logits)
+        probs = process_logits(logits, self.temperature, self.top_p, self.top_k)
+        if self.acceptance == "typical":
+            return typical_accept(tree, tokens, probs, self.rng)
+        return sample_accept(tree, tokens, probs, self.rng)
