@@ -364,7 +364,7 @@ def test_scale_export_tinyllama_config(tmp_path):
     """TinyLlama-1.1B's configuration with a Medusa drafter: external data, < 24 GiB, compare passes."""
     report = tmp_path / "scale.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "scale_export.py"), "--json", str(report), "--work", str(tmp_path)],
+        [sys.executable, str(REPO / "samples" / "scale_export.py"), "--json", str(report), "--work", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=3600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Export a model of TinyLlama-1.1B's configuration with a Medusa drafter; measure time and memory.
 
-    python scripts/scale_export.py [--json scale.json] [--work DIR] [--layers N] [--keep]
+    python samples/scale_export.py [--json scale.json] [--work DIR] [--layers N] [--keep]
 
 Builds a LlamaForCausalLM with TinyLlama-1.1B's configuration and random weights (nothing is
 downloaded), converts it with Medusa (2 heads, 1 layer), saves it with ``save_pretrained``
