@@ -181,6 +181,8 @@ def describe_source(model, dtype: str) -> dict:
         "num_kv_heads": cfg.num_key_value_heads,
         "head_dim": head_dim,
         "max_position_embeddings": cfg.max_position_embeddings,
+        # the graphs attend every unmasked column: exact only while a sequence fits the window
+        "sliding_window": getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None,
         "dtype": dtype,
         "parameters": sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("medusa", "eagle"))),
     }

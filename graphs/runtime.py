@@ -77,7 +77,9 @@ class Decoder:
         self.dtype = np.dtype(self.base_spec.output(C.LOGITS).dtype)
         self.eos = set(m.generation.get("eos_token_ids") or [])
         self.pad = m.generation.get("pad_token_id") or 0
-        self.max_positions = int(m.source.get("max_position_embeddings") or 1 << 30)
+        # the context limit; a sliding-window model is exact only within its window (graphs attend all)
+        limits = [m.source.get("max_position_embeddings"), m.source.get("sliding_window")]
+        self.max_positions = int(min([x for x in limits if x] or [1 << 30]))
         self.tokenizer = None
         if m.tokenizer:
             from tokenizers import Tokenizer
