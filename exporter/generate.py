@@ -47,9 +47,10 @@ def main(argv=None) -> int:
         if decoder.tokenizer is None:
             raise ValueError(f"{args.out_dir} has no tokenizer.json; use graphs.load(...).generate(token_ids)")
         sys.stdout.write(args.prompt)
-        tokens = []
+        tokens, text = [], []
         for event in decoder.stream(args.prompt, **kwargs):
             tokens += event.token_ids
+            text.append(event.text)
             sys.stdout.write(event.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
         )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"prompt": args.prompt, "token_ids": tokens, "text": decoder.tokenizer.decode(tokens),
+                json.dump({"prompt": args.prompt, "token_ids": tokens, "text": "".join(text),
                            "stats": stats.to_json()}, f, indent=2)
         return 0
 

@@ -39,7 +39,8 @@ class Columns:
         need = self.w + extra
         if need <= self.capacity:
             return None
-        return max(-(-need // self.bucket) * self.bucket, self.bucket)
+        # grow by half at least: each growth copies every buffer, so copies stay O(1) per column
+        return max(-(-need // self.bucket) * self.bucket, self.bucket, self.capacity + self.capacity // 2)
 
     def _grow_valid(self, cap: int) -> None:
         valid = np.zeros((self.batch, cap), dtype=bool)

@@ -54,6 +54,13 @@ class Decoder:
         self.manifest = Manifest.read(self.out_dir, verify=verify)
         self.provider = resolve_provider(provider)
         m = self.manifest
+        dtype = m.graphs["base"].output(C.LOGITS).dtype
+        if dtype not in ("float32", "float16"):
+            raise ValueError(
+                f"{out_dir} holds {dtype} graphs, which this runtime cannot feed (numpy and ONNX Runtime's "
+                f"Python API have no {dtype} arrays); export with --dtype float16 or float32"
+            )
+        self.dtype = np.dtype(dtype)
         # IO binding keeps K/V on the device (graphs.device); the default on CUDA. On the CPU EP the
         # plain numpy path is as fast (inputs are passed without copies) and simpler.
         self.io_binding = self.provider == "cuda" if io_binding is None else bool(io_binding)
@@ -74,7 +81,6 @@ class Decoder:
         self._capacity = 256  # K/V columns to preallocate on the device, set per run
         self.drafter = m.drafter
         self.kind = m.drafter["kind"] if m.drafter else None
-        self.dtype = np.dtype(self.base_spec.output(C.LOGITS).dtype)
         self.eos = set(m.generation.get("eos_token_ids") or [])
         self.pad = m.generation.get("pad_token_id") or 0
         # the context limit; a sliding-window model is exact only within its window (graphs attend all)
@@ -174,6 +180,7 @@ class Decoder:
         rng = np.random.default_rng(seed)
         sampler = Sampler(temperature, top_p, top_k, rng, acceptance)
         stats = Stats(prompt_tokens=sum(len(s.prompt) for s in seqs))
+        self.last_stats = stats  # filled in as the run goes (also when a stream is left early)
         t_start = time.perf_counter()
         steps = {"autoregressive": self._autoregressive, "speculative": self._speculative}[mode]
         for emitted in steps(seqs, sampler, stats, tree, max_new_tokens):
@@ -233,7 +240,8 @@ class Decoder:
     def _device_capacity(self, seqs, max_new_tokens: int) -> int:
         """K/V columns to preallocate on the device: the whole generation plus one tree (grows if
         sequences of a batch leave many holes)."""
-        return max(len(s.prompt) for s in seqs) + max_new_tokens + 64
+        longest = max(len(s.prompt) for s in seqs) + max_new_tokens
+        return min(longest, self.max_positions) + 64
 
     def _execute(self, session, spec, feed: dict, kv, host: list[str]) -> dict:
         """Run a graph that reads ``kv``: host inputs in; host outputs and ``present.*`` out.
@@ -325,10 +333,11 @@ class Decoder:
             nodes, nxt = sampler.accept(trees[b], tokens[b, : trees[b].size], out[C.LOGITS][b, : trees[b].size])
             accepted.append(nodes)
             bonus.append(nxt)
-        counts = np.array([len(a) for a in accepted])
-        idx = np.zeros((bsz, counts.max()), dtype=np.int64)
+        # finished sequences keep being computed (the batch stays rectangular) but commit nothing
+        counts = np.array([0 if seqs[b].done else len(a) for b, a in enumerate(accepted)])
+        idx = np.zeros((bsz, max(int(counts.max()), 1)), dtype=np.int64)
         for b, a in enumerate(accepted):
-            idx[b, : len(a)] = a
+            idx[b, : counts[b]] = a[: counts[b]]
         kv.append(self._presents(out, self._n_layers), idx, counts)
         stats.steps += 1
         stats.accepted += [int(c) for b, c in enumerate(counts) if not seqs[b].done]
@@ -471,8 +480,9 @@ class Decoder:
             for b in rows:
                 acc = accepted[b]
                 emitted.append((b, [int(x) for x in cand[b, acc[1:]]] + [int(bonus[b])]))
-                pend_feats[b] = out[feat_name][b, acc]
-                pend_ids[b] = np.append(cand[b, acc[1:]], bonus[b])
+                keep = 1 if seqs[b].done else len(acc)  # finished: one row keeps the batch rectangular
+                pend_feats[b] = out[feat_name][b, acc[:keep]]
+                pend_ids[b] = np.append(cand[b, acc[1:]], bonus[b])[:keep]
                 pend_pos[b] = pos[b]
                 pos[b] += len(acc)
                 root[b] = bonus[b]

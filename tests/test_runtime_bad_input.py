@@ -315,3 +315,10 @@ def test_cli_bad_tree_and_tampered_export(exported, tmp_path):
     d = _copy(exported("medusa"), tmp_path / "tampered")
     (d / "base.onnx").write_bytes((d / "base.onnx").read_bytes()[:-1])
     _one_error_line(run_module("exporter.generate", d, "--prompt", "hi", timeout=240), "sha256")
+
+
+def test_bfloat16_export_is_refused_clearly(exported):
+    import graphs
+
+    with pytest.raises(ValueError, match=r"bfloat16 graphs.*export with --dtype float16 or float32"):
+        graphs.load(exported("medusa", dtype="bfloat16"), provider="cpu")
