@@ -49,8 +49,13 @@ class DeviceKVCache(Columns):
             io.bind_ortvalue_input(C.past_key(i), self.buffers[2 * i])
             io.bind_ortvalue_input(C.past_value(i), self.buffers[2 * i + 1])
 
-    def append(self, presents: list[ort.OrtValue], idx: np.ndarray, counts: np.ndarray) -> int:
-        """Write ``presents[j][:, :, idx[b]]`` to columns w..w+A-1 in place (one graph run)."""
+    def append(self, presents: list[ort.OrtValue], idx: np.ndarray | None, counts: np.ndarray,
+               width: int | None = None) -> int:
+        """Write ``presents[j][:, :, idx[b]]`` to columns w..w+A-1 in place (one graph run).
+
+        ``idx`` None: all ``width`` new rows in order."""
+        if idx is None:
+            idx = np.broadcast_to(np.arange(width), (self.batch, width))
         a = idx.shape[1]
         self.reserve(a)
         w = self.w

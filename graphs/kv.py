@@ -94,17 +94,23 @@ class KVCache(Columns):
             feed[C.past_value(i)] = self.values[i]
         return feed
 
-    def append(self, presents: list[np.ndarray], idx: np.ndarray, counts: np.ndarray) -> int:
+    def append(self, presents: list[np.ndarray], idx: np.ndarray | None, counts: np.ndarray,
+               width: int | None = None) -> int:
         """Write accepted rows of the new positions; returns the first column written.
 
         presents: the graph's ``present.{i}.key, present.{i}.value`` in layer order, (B, kv, S, hd)
-        idx (B, A) int: which of the S new positions go to columns w..w+A-1 (pad with any index)
+        idx (B, A) int: which of the S new positions go to columns w..w+A-1 (pad with any index);
+            None: all of them in order (then ``width`` = S)
         counts (B,) int: how many of those A are real for each sequence (the rest are holes)
         """
-        a = idx.shape[1]
+        a = idx.shape[1] if idx is not None else width
         self.reserve(a)
         w = self.w
-        if self.batch == 1:  # the common case: a plain take along the sequence axis
+        if idx is None:  # all S new rows, in order (temporary draft-tree rows)
+            for i in range(self.num_layers):
+                self.keys[i][:, :, w : w + a] = presents[2 * i]
+                self.values[i][:, :, w : w + a] = presents[2 * i + 1]
+        elif self.batch == 1:  # the common case: a plain take along the sequence axis
             rows = idx[0]
             for i in range(self.num_layers):
                 self.keys[i][:, :, w : w + a] = presents[2 * i][:, :, rows]

@@ -405,10 +405,13 @@ class Decoder:
                 raise ValueError(f"EAGLE tree {k} must be an int >= 1, got {cfg[k]!r}")
         return cfg
 
-    def _run_draft(self, dkv: KVCache, feats, ids, pos, tree_mask, topk, stats, past_mask=None, is_aux=False):
-        """One drafter forward; feats are the base's (``is_aux``: EAGLE-3 layers) or the drafter's own."""
+    def _run_draft(self, dkv: KVCache, feats, ids, pos, tree_mask, topk, stats, mask=None, is_aux=False):
+        """One drafter forward; feats are the base's (``is_aux``: EAGLE-3 layers) or the drafter's own.
+
+        The attention mask is the cache's columns + ``tree_mask`` (B, S, S), or ``mask`` as given."""
         bsz = ids.shape[0]
-        mask = _full_mask(dkv.past_mask() if past_mask is None else past_mask, tree_mask)
+        if mask is None:
+            mask = _full_mask(dkv.past_mask(), tree_mask)
         feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.TOPK_IN: topk}
         hid_dim = self.manifest.source["hidden_size"]
         if self.drafter.get("eagle3"):
@@ -461,12 +464,14 @@ class Decoder:
                 hid = np.stack([prev[b, f.parent_row] for b, f in enumerate(frontiers)])  # (B, k, H)
                 tok = np.stack([f.tokens for f in frontiers])
                 fpos = pos[:, None] + np.stack([f.depth for f in frontiers]) - 1  # parent's position
-                attend = np.stack([f.attend for f in frontiers])  # (B, k, n_prev + k)
-                past = np.repeat(dkv.past_mask()[:, None], k, axis=1)  # (B, k, cap)
-                past[:, :, w0 : w0 + n_prev] = attend[:, :, :n_prev]
-                dout = self._run_draft(dkv, hid, tok, fpos, attend[:, :, n_prev:], topk, stats, past_mask=past)
-                dkv.append(self._presents(dout, d["num_layers"]), np.broadcast_to(np.arange(k), (bsz, k)),
-                           np.zeros(bsz, dtype=np.int64))
+                attend = np.stack([f.attend for f in frontiers])  # (B, k, n_prev + k) over fed nodes
+                cap = dkv.capacity
+                mask = np.empty((bsz, 1, k, cap + k), dtype=bool)  # context, fed tree rows, this level
+                mask[:, 0, :, :cap] = dkv.past_mask()[:, None, :]
+                mask[:, 0, :, w0 : w0 + n_prev] = attend[:, :, :n_prev]
+                mask[:, 0, :, cap:] = attend[:, :, n_prev:]
+                dout = self._run_draft(dkv, hid, tok, fpos, None, topk, stats, mask=mask)
+                dkv.append(self._presents(dout, d["num_layers"]), None, np.zeros(bsz, dtype=np.int64), width=k)
                 prev = dout[C.HIDDEN_OUT]
                 frontiers = [builders[b].expand(dout[C.TOPK_IDS][b], dout[C.TOPK_LOGPROBS][b]) for b in rows]
             dkv.truncate(w0)
