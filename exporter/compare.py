@@ -21,9 +21,10 @@ import numpy as np
 import torch
 
 from exporter.loading import UserError
-from exporter.trace import graph_module
+from exporter.trace import flatten_kv, graph_module
 from graphs import contract as C
 from graphs.manifest import Manifest
+from graphs.trees import Tree
 
 
 @dataclass(frozen=True)
@@ -151,27 +152,15 @@ def compare_arrays(ref: np.ndarray, got: np.ndarray, tol: Tolerance, name: str) 
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
     """(T, T) bool ancestor-or-self mask of a tree given by parent indices (-1 = root)."""
-    n = len(parents)
-    m = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            m[i] |= m[p]
-    return m
+    return torch.from_numpy(Tree.from_parents(np.array(parents)).mask)
 
 
 def _depths(parents: list[int]) -> torch.Tensor:
-    d = []
-    for p in parents:
-        d.append(0 if p < 0 else d[p] + 1)
-    return torch.tensor(d)
+    return torch.from_numpy(Tree.from_parents(np.array(parents)).depth)
 
 
 def _empty_past(n_layers, b, kv, hd):
     return [(torch.zeros(b, kv, 0, hd), torch.zeros(b, kv, 0, hd)) for _ in range(n_layers)]
-
-
-def _flat_past(past):
-    return [t for kv in past for t in kv]
 
 
 def base_cases(model, spec: C.GraphSpec, seed: int = 0) -> list[tuple[str, list[torch.Tensor]]]:
@@ -190,7 +179,7 @@ def base_cases(model, spec: C.GraphSpec, seed: int = 0) -> list[tuple[str, list[
     prefix = ids(2, p)
     causal = tree_mask(list(range(-1, p - 1)))
     with torch.no_grad():
-        empty = _flat_past(_empty_past(n_layers, 2, kv, hd))
+        empty = flatten_kv(_empty_past(n_layers, 2, kv, hd))
         out = base(prefix, torch.arange(p).expand(2, p), causal.expand(2, 1, p, p), *empty)
     new = out[-2 * n_layers :]
     past = [(new[2 * i], new[2 * i + 1]) for i in range(n_layers)]
@@ -198,21 +187,21 @@ def base_cases(model, spec: C.GraphSpec, seed: int = 0) -> list[tuple[str, list[
     cases = []
     s = 7
     cases.append(("prefill", [ids(1, s), torch.arange(s)[None], tree_mask(list(range(-1, s - 1)))[None, None],
-                              *_flat_past(_empty_past(n_layers, 1, kv, hd))]))
+                              *flatten_kv(_empty_past(n_layers, 1, kv, hd))]))
     cases.append(("decode", [ids(1, 1), torch.tensor([[p]]), torch.ones(1, 1, 1, p + 1, dtype=torch.bool),
-                             *_flat_past([(k[:1], v[:1]) for k, v in past])]))
+                             *flatten_kv([(k[:1], v[:1]) for k, v in past])]))
     parents = [-1, 0, 0, 1, 1, 2]  # a non-causal tree: siblings never see each other
     tm = tree_mask(parents)
     t = len(parents)
     mask = torch.cat([torch.ones(t, p, dtype=torch.bool), tm], dim=1).expand(2, 1, t, p + t)
     cases.append(("tree_b2_past6", [ids(2, t), (p + _depths(parents)).expand(2, t), mask.contiguous(),
-                                    *_flat_past(past)]))
+                                    *flatten_kv(past)]))
     # sequence 1 is 2 tokens shorter: its last two past columns are holes it must not see
     s = 3
     m = torch.cat([torch.ones(2, s, p, dtype=torch.bool), tree_mask([-1, 0, 1]).expand(2, s, s)], dim=2)
     m[1, :, p - 2 : p] = False
     pos = torch.stack([torch.arange(p, p + s), torch.arange(p - 2, p - 2 + s)])
-    cases.append(("batch2_holes", [ids(2, s), pos, m[:, None].contiguous(), *_flat_past(past)]))
+    cases.append(("batch2_holes", [ids(2, s), pos, m[:, None].contiguous(), *flatten_kv(past)]))
     return cases
 
 
@@ -237,7 +226,7 @@ def draft_cases(model, specs, seed: int = 0) -> list[tuple[str, list[torch.Tenso
     p = 5
 
     def run(hid, aux_h, ids, pos, mask, past):
-        args = [hid] + ([aux_h] if eagle3 else []) + [ids, pos, mask, *_flat_past(past), topk]
+        args = [hid] + ([aux_h] if eagle3 else []) + [ids, pos, mask, *flatten_kv(past), topk]
         return args, draft(*args)
 
     h = hidden.shape[-1]

@@ -23,7 +23,15 @@ import torch
 
 from exporter.kvgraph import build_kv_update
 from exporter.loading import UserError, load_model
-from exporter.trace import OPSET, TORCH_DTYPES, TRACED_ROLES, aux_layer_ids, export_graph, graph_specs
+from exporter.trace import (
+    OPSET,
+    TORCH_DTYPES,
+    TRACED_ROLES,
+    aux_layer_ids,
+    export_graph,
+    graph_specs,
+    model_dims,
+)
 from graphs.manifest import Manifest
 
 # Files copied from model_dir so that the runtime can tokenize and stop without transformers.
@@ -170,7 +178,7 @@ def consolidate_external_data(src: Path, dst: Path, min_bytes: int = 1024, align
 
 def describe_source(model, dtype: str) -> dict:
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dims = model_dims(model, dtype)
     return {
         "architecture": (cfg.architectures or [type(model).__name__])[0],
         "model_type": cfg.model_type,
@@ -178,8 +186,8 @@ def describe_source(model, dtype: str) -> dict:
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
         "num_attention_heads": cfg.num_attention_heads,
-        "num_kv_heads": cfg.num_key_value_heads,
-        "head_dim": head_dim,
+        "num_kv_heads": dims.num_kv_heads,
+        "head_dim": dims.head_dim,
         "max_position_embeddings": cfg.max_position_embeddings,
         # the graphs attend every unmasked column: exact only while a sequence fits the window
         "sliding_window": getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None,

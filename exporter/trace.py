@@ -83,7 +83,7 @@ def _pairs(flat):
     return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
 
-def _flat(kv):
+def flatten_kv(kv):
     return [t for pair in kv for t in pair]
 
 
@@ -105,7 +105,7 @@ class BaseGraph(nn.Module):
     def forward(self, input_ids, position_ids, attention_mask, *past):
         past_kv = _pairs(past) if past else None
         logits, hidden, aux, new = base_forward(self, input_ids, position_ids, attention_mask, past_kv, self.aux)
-        return (logits, hidden, *(() if aux is None else (aux,)), *_flat(new))
+        return (logits, hidden, *(() if aux is None else (aux,)), *flatten_kv(new))
 
 
 class MedusaGraph(nn.Module):
@@ -153,7 +153,7 @@ class EagleGraph(nn.Module):
         out, logits, new = self.eagle_module.step(self.base, hidden, input_ids, position_ids, mask, past_kv, aux)
         ids, scores = _topk(logits, topk)
         ids = self.eagle_module.draft_to_target(ids)
-        return (out, logits, ids, scores, *_flat(new))
+        return (out, logits, ids, scores, *flatten_kv(new))
 
 
 def graph_module(model, role: str) -> nn.Module:

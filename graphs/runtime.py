@@ -33,7 +33,15 @@ from graphs.kv import KVCache
 from graphs.manifest import Manifest
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
 from graphs.sessions import make_session, resolve_provider
-from graphs.trees import DEFAULT_EAGLE_TREE, DynamicTreeBuilder, Tree, default_medusa_paths, load_tree_file, medusa_tree
+from graphs.trees import (
+    DEFAULT_EAGLE_TREE,
+    DynamicTreeBuilder,
+    Tree,
+    default_medusa_paths,
+    load_tree_file,
+    medusa_candidates_batch,
+    medusa_tree,
+)
 
 
 @dataclass
@@ -374,7 +382,7 @@ class Decoder:
             t0 = time.perf_counter()
             (ids,) = self.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden[:, None], C.TOPK_IN: topk})
             stats.time_draft += time.perf_counter() - t0
-            cand = _medusa_candidates(tree, root, ids[:, 0])  # (B, T)
+            cand = medusa_candidates_batch(tree, root, ids[:, 0])  # (B, T)
             out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout)
             emitted = []
             for b in rows:
@@ -413,11 +421,11 @@ class Decoder:
         if mask is None:
             mask = _full_mask(dkv.past_mask(), tree_mask)
         feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.TOPK_IN: topk}
-        hid_dim = self.manifest.source["hidden_size"]
-        if self.drafter.get("eagle3"):
-            empty_aux = np.zeros((bsz, 0, hid_dim * len(self.drafter["aux_layer_ids"])), self.dtype)
-            feed[C.AUX_HIDDEN] = feats if is_aux else empty_aux
-            feed[C.HIDDEN] = np.zeros((bsz, 0, hid_dim), self.dtype) if is_aux else feats
+        if self.drafter.get("eagle3"):  # exactly one of the two feature inputs has rows (contract)
+            aux_dim = self.draft_spec.input(C.AUX_HIDDEN).dims[-1]
+            hid_dim = self.draft_spec.input(C.HIDDEN).dims[-1]
+            feed[C.AUX_HIDDEN] = feats if is_aux else np.empty((bsz, 0, aux_dim), self.dtype)
+            feed[C.HIDDEN] = np.empty((bsz, 0, hid_dim), self.dtype) if is_aux else feats
         else:
             feed[C.HIDDEN] = feats
         t0 = time.perf_counter()
@@ -492,12 +500,6 @@ class Decoder:
                 pos[b] += len(acc)
                 root[b] = bonus[b]
             yield emitted
-
-
-def _medusa_candidates(tree: Tree, root: np.ndarray, topk_ids: np.ndarray) -> np.ndarray:
-    from graphs.trees import medusa_candidates_batch
-
-    return medusa_candidates_batch(tree, root, topk_ids)
 
 
 def _full_mask(past: np.ndarray, tree: np.ndarray) -> np.ndarray:
