@@ -42,6 +42,7 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from exporter.arch import get_arch
+    from exporter.hf_compat import no_progress_bars
     from exporter.speculative.checkpoint import enable_huggingface_checkpointing
 
     model_dir = Path(model_dir)
@@ -64,9 +65,10 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
         raise UserError(f"{model_dir} already holds a drafter; drop --drafter or export the plain base")
     enable_huggingface_checkpointing()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
+        with no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
+            )
     except (ValueError, TypeError) as e:
         raise UserError(f"cannot load {model_dir}: {_one_line(e)}") from None
     except Exception as e:

@@ -13,6 +13,8 @@ import contextlib
 
 import torch
 
+from exporter.hf_compat import cache_kwargs
+
 PastKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -27,7 +29,7 @@ class NewRowsCache:
         self.past = past
         self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def update(self, key, value, layer_idx, cache_kwargs=None):
+    def update(self, key, value, layer_idx, *_args, **_kwargs):  # extra args differ by HF version
         self.new[layer_idx] = (key, value)
         if not self.past:
             return key, value
@@ -71,8 +73,8 @@ def run_layers(layers, hidden, position_embeddings, bias, cache, position_ids, c
             hidden,
             attention_mask=bias,
             position_ids=position_ids,
-            past_key_values=cache,
             position_embeddings=position_embeddings,
+            **cache_kwargs(layer, cache),
         )
         if isinstance(hidden, tuple):  # older HF layers return (hidden, ...)
             hidden = hidden[0]

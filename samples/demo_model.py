@@ -238,7 +238,7 @@ def train_drafter(model, examples, spec: DemoSpec, work_dir: Path, seed: int, cl
         max_steps=spec.drafter_steps,
         per_device_train_batch_size=spec.drafter_batch,
         learning_rate=spec.drafter_lr,
-        warmup_ratio=0.05,
+        warmup_steps=max(1, round(0.05 * spec.drafter_steps)),  # an int: 5.x dropped warmup_ratio
         lr_scheduler_type="cosine",
         weight_decay=0.0,
         logging_steps=max(1, min(50, spec.drafter_steps // 4)),

@@ -21,6 +21,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def pytest_configure(config):
+    # transformers 5.x draws a progress bar for every save/load; tests read stderr, so none here
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
 # Drafter config per kind: the smallest drafters that exercise every graph input and output.
 DRAFTERS: dict[str, tuple[str, dict] | None] = {
     "medusa": ("medusa", {"medusa_num_heads": 2, "medusa_num_layers": 1}),

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exporter.hf_compat import cache_kwargs
 from exporter.modeling import NewRowsCache, mask_to_bias, run_layers
 from exporter.speculative.config import EagleConfig
 
@@ -67,8 +68,8 @@ class Eagle3FirstLayer(nn.Module):
             hidden_states=x,
             attention_mask=bias,
             position_ids=position_ids,
-            past_key_values=cache,
             position_embeddings=position_embeddings,
+            **cache_kwargs(self.self_attn, cache),
         )
         hidden = residual + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
