@@ -1,13 +1,25 @@
-"""Shared CLI plumbing: one clear line on stderr and a non-zero exit for every failure."""
+"""Shared CLI plumbing: every CLI parses with :class:`ArgumentParser` and runs through :func:`run_cli`.
+
+Bad input (:class:`exporter.loading.UserError` raised by the exporter's checks,
+:class:`graphs.errors.InputError` and its ``ArtifactError`` raised by the runtime, a missing or
+unreadable file) is one ``error:`` line on stderr and exit 2. Anything else is a bug: its traceback,
+then one line saying so, exit 1. SIGTERM and SIGHUP end a run the way Ctrl-C does (``finally``
+blocks and temporary-file cleanup run), exit 128 + signal.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import traceback
 
 from exporter.loading import UserError
-from graphs.manifest import ArtifactError
+from graphs.errors import InputError
+
+USER_ERRORS = (UserError, InputError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -17,26 +29,59 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def run_cli(body, debug: bool = False) -> int:
-    """Run ``body()``; map bad input to exit 2 and anything unexpected to exit 1, one line each."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGHUP, raised in the main thread so that cleanup runs as for Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def signals_as_interrupt():
+    """Inside: SIGTERM and SIGHUP raise :class:`Terminated` (a KeyboardInterrupt). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    # only where nobody else handles the signal (a service's own handler is left alone)
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)
+           if signal.getsignal(s) == signal.SIG_DFL}
     try:
-        return int(body() or 0)
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def run_cli(body, debug: bool = False) -> int:
+    """Run ``body()``: bad input is one line and exit 2, a bug its traceback and exit 1."""
+    try:
+        with signals_as_interrupt():
+            return int(body() or 0)
+    except Terminated as e:
+        print(f"error: terminated by {e}; temporary files removed", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except (UserError, ArtifactError, ValueError, TypeError, FileNotFoundError, PermissionError) as e:
+    except USER_ERRORS as e:
         if debug:
             traceback.print_exc()
         print(f"error: {_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:
-        if debug:
-            traceback.print_exc()
-        print(f"error: unexpected {type(e).__name__}: {_line(e)} (re-run with --debug for a traceback)",
-              file=sys.stderr)
+        traceback.print_exc()  # not bad input: a bug, and its traceback is what a report needs
+        print(f"error: internal error {type(e).__name__}: {_line(e)} (this is a bug; please report it with the "
+              f"traceback above)", file=sys.stderr)
         return 1
 
 
 def _line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename and e.strerror:  # "[Errno 2] ..." -> "file: No such file"
+        return f"{e.filename}: {e.strerror}"
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__

@@ -12,17 +12,18 @@ complete: a failed export leaves nothing behind and an existing ``out_dir`` is r
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from exporter.cli import signals_as_interrupt
+from exporter.inputs import check_export_inputs, check_opset, copy_model_files
 from exporter.kvgraph import build_kv_update
 from exporter.loading import UserError, load_model
+from exporter.outdir import OutDir
 from exporter.trace import (
     OPSET,
     TORCH_DTYPES,
@@ -72,43 +73,6 @@ class _Step:
         dt = time.perf_counter() - self.t0
         self.log(f"{self.label} {'done' if exc_type is None else 'FAILED'} in {dt:.1f} s", flush=True)
         return False
-
-
-def _prepare_out_dir(out_dir: Path, overwrite: bool, inputs: list[Path]) -> Path:
-    """Refuse a non-empty out_dir without --overwrite; return a fresh temp dir beside it."""
-    target = out_dir.resolve()
-    for src in inputs:  # --overwrite would delete what is being exported
-        if target == src.resolve() or target in src.resolve().parents:
-            raise UserError(f"out_dir {out_dir} would replace {src}, an input of this export; pick another out_dir")
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise UserError(f"out_dir {out_dir} exists and is not a directory; pick another path")
-        if any(out_dir.iterdir()) and not overwrite:
-            raise UserError(f"out_dir {out_dir} is not empty; pass --overwrite to replace it")
-    parent = out_dir.parent
-    blocker = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise UserError(f"out_dir {out_dir} cannot be created: {blocker} is a file, not a directory")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
-    except OSError as e:
-        raise UserError(f"out_dir {out_dir} cannot be written ({e.strerror}); choose a writable location") from None
-
-
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    backup = None
-    if out_dir.exists():
-        backup = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        out_dir.rename(backup)
-    try:
-        tmp.rename(out_dir)
-    except OSError:
-        if backup is not None:
-            backup.rename(out_dir)
-        raise
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
 
 
 def _trace_one(model, role, spec, tmp: Path, opset: int) -> None:
@@ -260,15 +224,29 @@ def export(
     opset: int = OPSET,
     validate: bool = True,
     log=print,
+    overwrite_non_export: bool = False,
 ) -> Manifest:
-    """Export ``model_dir`` into ``out_dir``; returns the manifest written there."""
+    """Export ``model_dir`` into ``out_dir``; returns the manifest written there.
+
+    ``overwrite`` replaces an earlier export in ``out_dir``; ``overwrite_non_export`` replaces whatever
+    is there (see :mod:`exporter.outdir` for what is locked, re-checked and moved atomically).
+    """
     if dtype not in TORCH_DTYPES:
         raise UserError(f"unknown --dtype {dtype!r}; accepted: {', '.join(TORCH_DTYPES)}")
+    check_opset(opset)
     model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
-    tmp = _prepare_out_dir(out_dir, overwrite, [model_dir] + ([Path(drafter)] if drafter else []))
+    target = OutDir(out_dir, overwrite=overwrite, overwrite_non_export=overwrite_non_export,
+                    inputs=[model_dir] + ([Path(drafter)] if drafter else []))
+    with signals_as_interrupt():  # SIGTERM cleans up as Ctrl-C does
+        return _export(target, model_dir, out_dir, drafter, dtype, opset, validate, log)
+
+
+def _export(target: OutDir, model_dir: Path, out_dir: Path, drafter, dtype, opset, validate, log) -> Manifest:
+    tmp = target.open()
     steps = Steps(5, log)
     try:
         with steps(f"load {model_dir}"):
+            check_export_inputs(model_dir)  # generation_config.json, tokenizer.json: before any tracing
             model = load_model(model_dir, drafter=drafter)
         traced = model if dtype == "float32" else copy.deepcopy(model).to(TORCH_DTYPES[dtype])
         specs = graph_specs(model, dtype)
@@ -293,9 +271,7 @@ def export(
             opset=opset,
             versions=_versions(),
         )
-        for name in COPIED_FILES:
-            if (model_dir / name).is_file():
-                shutil.copy2(model_dir / name, tmp / name)
+        copy_model_files(model_dir, tmp, COPIED_FILES)  # regular files only; links must stay in model_dir
         manifest.tokenizer = "tokenizer.json" if (tmp / "tokenizer.json").is_file() else None
         with steps("check ONNX Runtime against PyTorch"):
             if validate:
@@ -303,12 +279,10 @@ def export(
             else:
                 manifest.validation = {"ok": None, "skipped": "--no-validate"}
         with steps(f"write {out_dir}"):
-            manifest.write(tmp)
-            _move_into_place(tmp, out_dir)
+            target.commit(manifest)  # writes the manifest, re-checks out_dir under the lock, moves
         return manifest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    finally:
+        target.close()  # removes tmp unless it was moved into place; releases the lock
 
 
 def _validate(model, tmp: Path, manifest: Manifest, dtype: str, log) -> None:
@@ -358,7 +332,9 @@ def main(argv=None) -> int:
     ap.add_argument("out_dir", nargs="?", help="where to write the export (must be empty or absent)")
     ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3 files)")
     ap.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
-    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+    ap.add_argument("--overwrite", action="store_true", help="replace an earlier export in out_dir")
+    ap.add_argument("--overwrite-non-export", metavar="OUT_DIR",
+                    help="replace out_dir whatever it holds (deletes it); must repeat out_dir")
     ap.add_argument("--opset", type=int, default=OPSET)
     ap.add_argument("--no-validate", action="store_true", help="skip the PyTorch-vs-ONNX check (not advised)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -376,9 +352,13 @@ def main(argv=None) -> int:
                 build_demo_model(model_dir)
         elif out_dir is None:
             raise UserError("missing out_dir: python -m exporter.export model_dir out_dir")
+        force = args.overwrite_non_export
+        if force is not None and Path(force).absolute() != Path(out_dir).absolute():
+            raise UserError(f"--overwrite-non-export must repeat out_dir ({out_dir}), got {force}")
         t0 = time.perf_counter()
         manifest = export(model_dir, out_dir, drafter=args.drafter, dtype=args.dtype,
-                          overwrite=args.overwrite, opset=args.opset, validate=not args.no_validate)
+                          overwrite=args.overwrite, opset=args.opset, validate=not args.no_validate,
+                          overwrite_non_export=force is not None)
         graphs = ", ".join(manifest.graphs[r].file for r in TRACED_ROLES if r in manifest.graphs)
         print(f"exported {graphs} to {out_dir} in {time.perf_counter() - t0:.1f} s")
         return 0

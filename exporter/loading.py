@@ -61,14 +61,17 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
         get_arch(config)
     except ValueError as e:
         raise UserError(f"{model_dir}: {e}") from None
+    from exporter.inputs import check_rope
+
+    check_rope(config, model_dir)
     if drafter is not None and getattr(config, "speculative_decoding", None):
         raise UserError(f"{model_dir} already holds a drafter; drop --drafter or export the plain base")
     enable_huggingface_checkpointing()
     try:
         with no_progress_bars():
-            model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
-            )
+            model = _from_pretrained_checked(AutoModelForCausalLM, model_dir, torch.float32, trust_remote_code)
+    except UserError:
+        raise
     except (ValueError, TypeError) as e:
         raise UserError(f"cannot load {model_dir}: {_one_line(e)}") from None
     except Exception as e:
@@ -84,12 +87,47 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
         try:
             load_external_drafter(model, path)
         except (ValueError, TypeError) as e:
+            if "weights_only=False" in str(e):
+                raise UserError(f"cannot read the drafter {path}: {_one_line(e)}") from None
             raise UserError(f"drafter {path} does not fit {model_dir}: {_one_line(e)}") from None
         except Exception as e:  # safetensors/pickle errors of a damaged file have no common base class
-            raise UserError(f"cannot read the drafter {path} (corrupt or truncated?): {_one_line(e)}") from e
+            raise UserError(f"cannot read the drafter {path} (corrupt or truncated?): {_one_line(e)}") from None
     return model.eval()
+
+
+def _from_pretrained_checked(auto_cls, model_dir: Path, dtype, trust_remote_code: bool):
+    """``from_pretrained`` that refuses a checkpoint lacking some of the model's weights.
+
+    transformers fills missing tensors with a random init and only logs it (and our checkpointing
+    silences that log): an export, and every compare against it, would then run on weights nobody
+    trained. The base loads with ``output_loading_info=True``; the drafter is restored strictly after.
+    """
+    from exporter.speculative.checkpoint import (
+        _quiet_transformers,
+        huggingface_checkpointing_disabled,
+        restore_drafter,
+    )
+    from exporter.speculative.convert import CONFIG_KEY
+
+    with huggingface_checkpointing_disabled(), _quiet_transformers():  # drafter keys are "unexpected" here
+        model, info = auto_cls.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
+                                               output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise UserError(
+            f"the checkpoint in {model_dir} lacks {len(missing)} weight(s) of the model: "
+            f"{', '.join(missing[:3])}{more}; a shard or index entry is missing: re-save the model (exporting "
+            f"would use random weights)"
+        )
+    saved = getattr(model.config, CONFIG_KEY, None)
+    if saved:
+        restore_drafter(model, saved, model_dir)
+    return model
 
 
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
+    if "weights_only=False" in str(e):  # torch's UnpicklingError advice (retry with weights_only=False) is unsafe
+        return "not a weights-only PyTorch file (a pickle of code or objects is never loaded); save plain tensors"
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")

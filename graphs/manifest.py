@@ -8,26 +8,22 @@ before a session is built.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from graphs.contract import FORMAT_VERSION, GraphSpec
+from graphs.errors import ArtifactError
+from graphs.integrity import sha256_file, verify_files
+from graphs.schema import check_manifest
+
+__all__ = ["MANIFEST", "PARTIAL_MARK", "ArtifactError", "Manifest", "sha256_file"]
 
 MANIFEST = "manifest.json"
-
-
-class ArtifactError(ValueError):
-    """An export directory that cannot be used (missing, tampered, wrong format)."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+PARTIAL_MARK = ".specexport-partial"  # marks an export being written (exporter.outdir); never hashed
+MAX_MANIFEST_BYTES = 64 << 20
 
 
 @dataclass
@@ -70,11 +66,14 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: dict) -> Manifest:
+        if not isinstance(d, dict):
+            raise ArtifactError(f"manifest must be a JSON object, got {type(d).__name__}; re-export the model")
         if d.get("format_version") != FORMAT_VERSION:
             raise ArtifactError(
                 f"manifest format_version {d.get('format_version')!r} is not supported "
                 f"(this runtime reads {FORMAT_VERSION}); re-export with this version of the exporter"
             )
+        check_manifest(d)  # types, ranges, paths and sizes: before anything is allocated or opened
         return cls(
             source=d["source"],
             graphs={k: GraphSpec.from_json(g) for k, g in d["graphs"].items()},
@@ -94,35 +93,45 @@ class Manifest:
         self.files = {
             p.relative_to(out_dir).as_posix(): sha256_file(p)
             for p in sorted(out_dir.rglob("*"))
-            if p.is_file() and p.name != MANIFEST
+            if p.is_file() and p.name not in (MANIFEST, PARTIAL_MARK)
         }
         path = out_dir / MANIFEST
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
         return path
 
     @classmethod
-    def read(cls, out_dir: Path, verify: bool = True) -> Manifest:
+    def read(cls, out_dir: Path, verify=True) -> Manifest:
+        """Parse, validate and (``verify``) check ``out_dir`` against its manifest.
+
+        ``verify``: True / "auto" (sha256 of every file, skipped when a proof record of an earlier full
+        check still matches: :mod:`graphs.integrity`), "full" (always hash), False / "none" (confinement
+        and schema only).
+        """
         out_dir = Path(out_dir)
         path = out_dir / MANIFEST
         if not out_dir.is_dir():
             raise ArtifactError(f"{out_dir} is not a directory; pass the out_dir written by exporter.export")
-        if not path.is_file():
-            raise ArtifactError(f"{path} not found; {out_dir} is not an export (run python -m exporter.export)")
         try:
-            manifest = cls.from_json(json.loads(path.read_text()))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise ArtifactError(
+                f"{path} not found; {out_dir} is not an export (run python -m exporter.export)"
+            ) from None
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(
+                f"{path} is not a regular file of at most {MAX_MANIFEST_BYTES >> 20} MiB; re-export the model"
+            )
+        raw = path.read_bytes()
+        try:
+            manifest = cls.from_json(json.loads(raw.decode("utf-8")))
+        except UnicodeDecodeError as e:
+            raise ArtifactError(f"{path} is not UTF-8 text (byte {e.start}); re-export the model") from None
+        except (json.JSONDecodeError, RecursionError) as e:
             raise ArtifactError(f"{path} is not a valid manifest ({e}); re-export the model") from None
-        if verify:
-            manifest.verify(out_dir)
+        verify_files(out_dir, manifest.files, raw, MANIFEST, verify)
         return manifest
 
     def verify(self, out_dir: Path) -> None:
-        """Raise ArtifactError if a listed file is missing or its sha256 differs."""
-        for rel, digest in self.files.items():
-            p = Path(out_dir) / rel
-            if not p.is_file():
-                raise ArtifactError(f"{p} is listed in the manifest but missing; re-export the model")
-            if sha256_file(p) != digest:
-                raise ArtifactError(
-                    f"{p} does not match its sha256 in the manifest (modified or truncated); re-export the model"
-                )
+        """Raise ArtifactError unless ``out_dir`` holds exactly the listed files with their sha256 (full check)."""
+        raw = (Path(out_dir) / MANIFEST).read_bytes()
+        verify_files(Path(out_dir), self.files, raw, MANIFEST, "full")

@@ -256,7 +256,9 @@ def test_out_dir_holding_the_model_is_refused_even_with_overwrite(bad, tmp_path,
     assert snapshot(parent) == before
 
 
-def test_non_empty_out_dir_refused_then_replaced_with_overwrite(bad, tmp_path, capsys):
+def test_non_empty_out_dir_refused_then_replaced_with_overwrite_non_export(bad, tmp_path, capsys):
+    """A directory of the user's own files: refused without --overwrite, refused with --overwrite (it is
+    not an export), replaced only with --overwrite-non-export OUT_DIR (the path repeated)."""
     out = tmp_path / "onnx"
     out.mkdir()
     (out / "old.txt").write_text("old export\n")
@@ -266,8 +268,14 @@ def test_non_empty_out_dir_refused_then_replaced_with_overwrite(bad, tmp_path, c
     rc, _, err = run_main(capsys, bad["good"], out)
     assert_one_error_line(rc, err, "is not empty", "--overwrite")
     assert snapshot(out) == before
-
     rc, _, err = run_main(capsys, bad["good"], out, "--overwrite")
+    assert_one_error_line(rc, err, "holds old.txt and 1 more", "not part of an export", "--overwrite-non-export")
+    assert snapshot(out) == before
+    rc, _, err = run_main(capsys, bad["good"], out, "--overwrite-non-export", tmp_path / "elsewhere")
+    assert_one_error_line(rc, err, "--overwrite-non-export must repeat out_dir")
+    assert snapshot(out) == before
+
+    rc, _, err = run_main(capsys, bad["good"], out, "--overwrite-non-export", out)
     assert rc == 0, err
     assert err == ""
     assert not (out / "old.txt").exists() and not (out / "sub").exists()
@@ -322,16 +330,17 @@ def test_failure_half_way_leaves_nothing(bad, tmp_path, monkeypatch, how):
 def test_failure_half_way_keeps_existing_out_dir(bad, tmp_path, monkeypatch, capsys, how):
     out = tmp_path / "onnx"
     out.mkdir()
-    (out / "manifest.json").write_text('{"previous": "export"}\n')
+    (out / "manifest.json").write_text('{"format_version": 1, "files": {}}\n')  # an (empty) earlier export
     before = snapshot(out)
     _patch_failure(monkeypatch, how)
     rc, _, err = run_main(capsys, bad["good"], out, "--overwrite")
     if how == "interrupt":
         assert rc == 130
         assert_one_error_line(rc, err, "interrupted")
-    else:
+    else:  # not bad input: a bug, shown with its traceback
         assert rc == 1
-        assert_one_error_line(rc, err, "unexpected RuntimeError: boom", "--debug")
+        assert "Traceback" in err
+        assert err.strip().splitlines()[-1].startswith("error: internal error RuntimeError: boom")
     assert snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["onnx"]
 
@@ -359,11 +368,10 @@ def test_graphs_that_disagree_with_pytorch_are_not_written(bad, tmp_path, monkey
     assert not out.exists() and leftovers(tmp_path) == []
 
 
-def test_debug_flag_shows_the_traceback(bad, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(exporter.compare, "compare_model", _boom)
-    rc, _, err = run_main(capsys, bad["good"], tmp_path / "onnx", "--debug")
-    assert rc == 1
-    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: unexpected RuntimeError")
+def test_debug_flag_shows_the_traceback(bad, tmp_path, capsys):
+    rc, _, err = run_main(capsys, bad["missing"], tmp_path / "onnx", "--debug")
+    assert rc == 2
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: model_dir")
 
 
 def test_library_raises_user_error(bad, tmp_path):

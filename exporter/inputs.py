@@ -1,0 +1,142 @@
+"""Checks of export inputs that must fail before any tracing, and the copy of the model's side files.
+
+- ``--opset`` within what the tracer writes and the graphs need;
+- ``generation_config.json`` and ``tokenizer.json`` parse (a corrupt one used to fail after tracing,
+  or only at run time);
+- ``rope_scaling`` names a RoPE type transformers knows, with numeric parameters (a bogus one used
+  to be reported as corrupt weights);
+- side files are copied only as regular files; a symlink is followed only when its target stays
+  inside ``model_dir`` (or, for a Hugging Face cache snapshot, inside that model's cache entry), so
+  an export never picks up an arbitrary file of the user's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from exporter.loading import UserError
+
+MIN_OPSET = 17  # Unsqueeze/Slice with tensor inputs, bool masks: what our graphs are tested with
+
+
+def max_opset() -> int:
+    """The newest opset torch's TorchScript exporter (``dynamo=False``) writes."""
+    from torch.onnx import _constants
+
+    return int(getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", 20))
+
+
+def check_opset(opset) -> None:
+    hi = max_opset()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= hi:
+        raise UserError(f"--opset {opset} is not supported; pass an opset from {MIN_OPSET} to {hi}")
+
+
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}); fix or delete the {what}") from None
+
+
+def check_generation_config(model_dir: Path) -> None:
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return
+    data = _read_json(path, "generation config")
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a JSON object, not {type(data).__name__}; fix or delete it")
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        v = data.get(key)
+        ok = v is None or _is_id(v) or (key == "eos_token_id" and isinstance(v, list) and all(map(_is_id, v)))
+        if not ok:
+            raise UserError(f"{path}: {key} must be a token id{' or a list of ids' if key == 'eos_token_id' else ''}, "
+                            f"got {v!r}; fix or delete the file")
+    from transformers import GenerationConfig
+
+    try:
+        GenerationConfig.from_dict(dict(data))
+    except Exception as e:  # transformers' own validation (ValueError, TypeError, ...)
+        raise UserError(f"{path} is not a valid generation config ({type(e).__name__}: {e}); fix or delete "
+                        f"it") from None
+
+
+def _is_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_tokenizer(model_dir: Path) -> None:
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        return
+    real = _safe_source(model_dir, path)
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(real))
+    except Exception as e:  # tokenizers raises its own Exception type for every parse error
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path} cannot be read by tokenizers ({detail}); re-save the tokenizer") from None
+
+
+def check_rope(config, model_dir: Path) -> None:
+    """``rope_scaling`` (``rope_parameters`` in transformers 5) must name a known type with numeric values."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not rope:
+        return
+    if not isinstance(rope, dict):
+        raise UserError(f"{model_dir}/config.json: rope_scaling must be an object, got {rope!r}; fix the config")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    known = sorted({"default", *ROPE_INIT_FUNCTIONS})
+    if kind not in known:
+        raise UserError(f"{model_dir}/config.json: rope_scaling type {kind!r} is unknown; transformers knows "
+                        f"{', '.join(known)}")
+    for k, v in rope.items():
+        if k not in ("rope_type", "type") and not isinstance(v, (int, float, list, type(None))):
+            raise UserError(f"{model_dir}/config.json: rope_scaling {k} must be a number, got {v!r}; fix the config")
+
+
+def check_export_inputs(model_dir: Path) -> None:
+    """Everything about ``model_dir`` that can be checked without building the model."""
+    model_dir = Path(model_dir)
+    if model_dir.is_dir():
+        check_generation_config(model_dir)
+        check_tokenizer(model_dir)
+
+
+def _allowed_root(model_dir: Path) -> Path:
+    """Where links in ``model_dir`` may point: itself, or a HF cache entry (snapshots/<rev> -> ../../blobs)."""
+    real = Path(os.path.realpath(model_dir))
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        return real.parent.parent
+    return real
+
+
+def _safe_source(model_dir: Path, path: Path) -> Path:
+    """``path`` itself if it is a regular file; its target if it is a link that stays inside the allowed root."""
+    st = os.lstat(path)
+    if stat.S_ISREG(st.st_mode):
+        return path
+    if not stat.S_ISLNK(st.st_mode):
+        raise UserError(f"{path} is not a regular file; replace it with the file itself")
+    target = Path(os.path.realpath(path))
+    root = _allowed_root(model_dir)
+    if root not in target.parents or not target.is_file():
+        raise UserError(f"{path} is a symlink to {target}, outside {model_dir}; copy the file into {model_dir} "
+                        f"instead of linking it")
+    return target
+
+
+def copy_model_files(model_dir: Path, dst: Path, names) -> None:
+    """Copy the side files (tokenizer, generation config) that exist in ``model_dir`` into ``dst``."""
+    for name in names:
+        src = Path(model_dir) / name
+        if not os.path.lexists(src):
+            continue
+        shutil.copyfile(_safe_source(Path(model_dir), src), dst / name)  # content only, mode from the umask
