@@ -8,15 +8,14 @@ then one stats line (mean accepted length, tokens/s, time in draft / verify / ho
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 
 def main(argv=None) -> int:
-    from exporter.cli import run_cli
+    from exporter.cli import ArgumentParser, run_cli
 
-    ap = argparse.ArgumentParser(prog="python -m exporter.generate", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m exporter.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", help="an export directory (holds manifest.json)")
     ap.add_argument("--prompt", required=True, help="prompt text")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -35,6 +34,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
+        from exporter.loading import UserError
         from graphs.sessions import use_shared_thread_pool
 
         use_shared_thread_pool(args.threads)  # one ORT pool for base, draft and K/V sessions
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                       top_k=args.top_k, stop=args.stop, seed=args.seed, mode=args.mode, tree=args.tree,
                       acceptance=args.acceptance)
         if decoder.tokenizer is None:
-            raise ValueError(f"{args.out_dir} has no tokenizer.json; use graphs.load(...).generate(token_ids)")
+            raise UserError(f"{args.out_dir} has no tokenizer.json; use graphs.load(...).generate(token_ids)")
         sys.stdout.write(args.prompt)
         tokens, text = [], []
         for event in decoder.stream(args.prompt, **kwargs):

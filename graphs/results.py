@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphs.sampling import greedy_accept, process_logits, sample_accept, typical_accept
+from graphs.errors import InputError
+from graphs.sampling import check_finite, greedy_accept, process_logits, sample_accept, typical_accept
 from graphs.trees import Tree
 
 
@@ -70,17 +71,19 @@ class Sampler:
 
     def __init__(self, temperature, top_p, top_k, rng, acceptance):
         if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+            raise InputError(f"temperature must be >= 0, got {temperature}")
         if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+            raise InputError(f"top_p must be in (0, 1], got {top_p}")
         if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
+            raise InputError(f"top_k must be >= 0, got {top_k}")
         self.temperature, self.top_p, self.top_k, self.rng = temperature, top_p, top_k, rng
         self.acceptance = acceptance
 
     def token(self, logits: np.ndarray) -> int:
         if self.temperature == 0:
-            return int(np.argmax(logits))
+            t = int(np.argmax(logits))
+            check_finite(logits[t])  # nan wins argmax; +inf is an overflow: either way no real choice
+            return t
         p = process_logits(logits, self.temperature, self.top_p, self.top_k)
         return int(self.rng.choice(p.shape[-1], p=p / p.sum()))
 

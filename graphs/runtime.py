@@ -29,9 +29,12 @@ import numpy as np
 
 from graphs import contract as C
 from graphs.device import DeviceKVCache, run_bound
+from graphs.errors import InputError, InputTypeError, as_input_error
 from graphs.kv import KVCache
+from graphs.limits import check_eagle_tree, check_medusa_tree
 from graphs.manifest import Manifest
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
+from graphs.schema import check_session
 from graphs.sessions import make_session, resolve_provider
 from graphs.trees import (
     DEFAULT_EAGLE_TREE,
@@ -64,7 +67,7 @@ class Decoder:
         m = self.manifest
         dtype = m.graphs["base"].output(C.LOGITS).dtype
         if dtype not in ("float32", "float16"):
-            raise ValueError(
+            raise InputError(
                 f"{out_dir} holds {dtype} graphs, which this runtime cannot feed (numpy and ONNX Runtime's "
                 f"Python API have no {dtype} arrays); export with --dtype float16 or float32"
             )
@@ -73,12 +76,16 @@ class Decoder:
         # plain numpy path is as fast (inputs are passed without copies) and simpler.
         self.io_binding = self.provider == "cuda" if io_binding is None else bool(io_binding)
         if self.io_binding and "kv_update" not in m.graphs:
-            raise ValueError(f"{out_dir} has no kv_update graph (exported by an older version): re-export it "
+            raise InputError(f"{out_dir} has no kv_update graph (exported by an older version): re-export it "
                              f"or pass io_binding=False")
 
         def session(role):
             spec = m.graphs.get(role)
-            return make_session(self.out_dir / spec.file, self.provider, threads, optimization) if spec else None
+            if spec is None:
+                return None
+            sess = make_session(self.out_dir / spec.file, self.provider, threads, optimization)
+            check_session(spec, sess, role)  # the file's own inputs/outputs are the manifest's
+            return sess
 
         self.base_spec = m.graphs["base"]
         self.draft_spec = m.graphs.get("draft")
@@ -139,7 +146,7 @@ class Decoder:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"{self.out_dir} has no tokenizer.json: pass token ids instead of text")
+            raise InputError(f"{self.out_dir} has no tokenizer.json: pass token ids instead of text")
         return self.tokenizer.encode(text).ids
 
     def _decode(self, ids: list[int]) -> str:
@@ -149,40 +156,42 @@ class Decoder:
 
     def _prepare(self, prompt, max_new_tokens, mode):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+            raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         prompts = prompt if _is_batch(prompt) else [prompt]
         if not prompts:
-            raise ValueError("empty batch: pass at least one prompt")
+            raise InputError("empty batch: pass at least one prompt")
         ids = []
         for p in prompts:
             toks = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
             if not toks:
-                raise ValueError("empty prompt: pass at least one token of text")
+                raise InputError("empty prompt: pass at least one token of text")
             if len(toks) >= self.max_positions:
-                raise ValueError(
+                raise InputError(
                     f"prompt of {len(toks)} tokens exceeds the model's context limit of "
                     f"{self.max_positions}; shorten the prompt"
                 )
             vocab = self.manifest.source["vocab_size"]
             bad = [t for t in toks if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+                raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
             ids.append(toks)
         if mode == "auto":
             mode = "speculative" if self.kind else "autoregressive"
         if mode not in ("speculative", "autoregressive"):
-            raise ValueError(f"unknown mode {mode!r}; accepted: auto, speculative, autoregressive")
+            raise InputError(f"unknown mode {mode!r}; accepted: auto, speculative, autoregressive")
         if mode == "speculative" and not self.kind:
-            raise ValueError(f"{self.out_dir} has no draft graph: use mode='autoregressive' or export a drafter")
+            raise InputError(f"{self.out_dir} has no draft graph: use mode='autoregressive' or export a drafter")
         return [_Seq(prompt=t) for t in ids], mode
 
     def _run(self, prompt, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0, stop=None, mode="auto",
              tree=None, acceptance="lossless", seed=None):
         seqs, mode = self._prepare(prompt, max_new_tokens, mode)
         if acceptance not in ("lossless", "typical"):
-            raise ValueError(f"unknown acceptance {acceptance!r}; accepted: lossless, typical")
+            raise InputError(f"unknown acceptance {acceptance!r}; accepted: lossless, typical")
         if acceptance == "typical" and self.kind != "medusa":
-            raise ValueError("typical acceptance is Medusa's; EAGLE drafts use lossless acceptance")
+            raise InputError("typical acceptance is Medusa's; EAGLE drafts use lossless acceptance" if self.kind else
+                             f"typical acceptance needs a Medusa drafter; {self.out_dir} has none (base only, "
+                             f"autoregressive): drop acceptance='typical'")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         self._capacity = self._device_capacity(seqs, max_new_tokens)
         rng = np.random.default_rng(seed)
@@ -357,14 +366,17 @@ class Decoder:
         if tree is None:
             paths = self.default_tree.get("medusa_paths") or default_medusa_paths(self.drafter["num_heads"])
         elif isinstance(tree, (str, Path)):
-            paths = load_tree_file(tree)
+            with as_input_error():
+                paths = load_tree_file(tree)
         else:
             paths = tree
-        t = medusa_tree(paths)
+        with as_input_error():
+            t = medusa_tree(paths)
         if t.max_depth > self.drafter["num_heads"]:
-            raise ValueError(
+            raise InputError(
                 f"tree is {t.max_depth} deep but the drafter has {self.drafter['num_heads']} Medusa heads"
             )
+        check_medusa_tree(t, self.manifest.source["vocab_size"], self.max_positions)
         return t
 
     def _medusa(self, seqs, sampler, stats, tree: Tree):
@@ -403,14 +415,16 @@ class Decoder:
             try:
                 tree = json.loads(Path(tree).read_text())
             except (OSError, json.JSONDecodeError) as e:
-                raise ValueError(f"cannot read EAGLE tree file {tree}: {e}") from None
+                raise InputError(f"cannot read EAGLE tree file {tree}: {e}") from None
         if tree is not None:
             if not isinstance(tree, dict) or set(tree) - {"topk", "depth", "total_tokens"}:
-                raise ValueError('an EAGLE tree is {"topk": k, "depth": d, "total_tokens": n}')
+                raise InputError('an EAGLE tree is {"topk": k, "depth": d, "total_tokens": n}')
             cfg.update(tree)
         for k in ("topk", "depth", "total_tokens"):
             if not isinstance(cfg[k], int) or cfg[k] < 1:
-                raise ValueError(f"EAGLE tree {k} must be an int >= 1, got {cfg[k]!r}")
+                raise InputError(f"EAGLE tree {k} must be an int >= 1, got {cfg[k]!r}")
+        vocab = self.drafter.get("draft_vocab_size") or self.manifest.source["vocab_size"]
+        check_eagle_tree(cfg, vocab, self.max_positions)
         return cfg
 
     def _run_draft(self, dkv: KVCache, feats, ids, pos, tree_mask, topk, stats, mask=None, is_aux=False):
@@ -546,7 +560,7 @@ def _stream_defaults(kwargs: dict) -> dict:
     allowed = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "mode", "tree", "acceptance", "seed"}
     bad = set(kwargs) - allowed
     if bad:
-        raise TypeError(f"unknown argument(s) {sorted(bad)}; accepted: {sorted(allowed)}")
+        raise InputTypeError(f"unknown argument(s) {sorted(bad)}; accepted: {sorted(allowed)}")
     return kwargs
 
 

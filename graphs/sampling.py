@@ -12,7 +12,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphs.errors import InputError, NonFiniteLogitsError
 from graphs.trees import Tree
+
+
+def check_finite(value) -> None:
+    """Raise NonFiniteLogitsError if ``value`` (the largest logit of a row, or several) is nan or +inf.
+
+    Checking the maximum is enough: a nan anywhere makes ``max`` nan (and ``argmax`` picks it), an
+    overflowed logit is +inf. ``-inf`` elsewhere is a legitimately masked token.
+    """
+    v = np.asarray(value)
+    if np.isnan(v).any() or np.isposinf(v).any():
+        raise NonFiniteLogitsError(
+            "the base graph returned non-finite logits (nan or inf): float16 overflow or damaged weights; "
+            "re-export with --dtype float32 (or check the model in PyTorch)"
+        )
 
 
 def greedy_accept(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> tuple[list[int], int]:
@@ -30,6 +45,7 @@ def greedy_accept(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> tuple[l
     n = 0
     while True:
         t = int(np.argmax(logits[n]))
+        check_finite(logits[n][t])
         kids = tree.children[n]
         hit = np.flatnonzero(tokens[kids] == t)  # (≤ len(kids),) positions into kids
         if hit.size == 0:
@@ -50,10 +66,11 @@ def process_logits(logits: np.ndarray, temperature: float, top_p: float = 1.0, t
     ``top_p=.75`` -> ``[.625, .375, 0, 0]`` (mass above: 0, .5, .8, .95; keep while < .75).
     """
     if temperature < 0:
-        raise ValueError(f"process_logits: temperature must be >= 0, got {temperature}")
+        raise InputError(f"process_logits: temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"process_logits: top_p must be in (0, 1], got {top_p}")
+        raise InputError(f"process_logits: top_p must be in (0, 1], got {top_p}")
     x = np.asarray(logits, dtype=np.float64)  # (..., V)
+    check_finite(x.max(axis=-1))
     if temperature == 0:
         return (np.arange(x.shape[-1]) == np.argmax(x, axis=-1)[..., None]).astype(np.float64)
     x = x / temperature

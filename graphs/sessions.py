@@ -7,6 +7,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from graphs.errors import InputError
+
 _LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -21,12 +23,12 @@ def resolve_provider(provider: str = "auto") -> str:
     if provider == "auto":
         return "cuda" if "CUDAExecutionProvider" in available else "cpu"
     if provider == "cuda" and "CUDAExecutionProvider" not in available:
-        raise ValueError(
+        raise InputError(
             "provider 'cuda' needs onnxruntime-gpu and a CUDA device (pip install 'specexport[gpu]'); "
             "use provider='cpu' or 'auto'"
         )
     if provider not in ("cuda", "cpu"):
-        raise ValueError(f"unknown provider {provider!r}; accepted: auto, cuda, cpu")
+        raise InputError(f"unknown provider {provider!r}; accepted: auto, cuda, cpu")
     return provider
 
 
@@ -69,7 +71,7 @@ def make_session(
     """One session for one graph file; built once per decoder, never per step."""
     opts = ort.SessionOptions()
     if optimization not in _LEVELS:
-        raise ValueError(f"unknown optimization level {optimization!r}; accepted: {', '.join(_LEVELS)}")
+        raise InputError(f"unknown optimization level {optimization!r}; accepted: {', '.join(_LEVELS)}")
     opts.graph_optimization_level = _LEVELS[optimization]
     if _POOL_THREADS:  # the process-wide pool of use_shared_thread_pool()
         opts.use_per_session_threads = False

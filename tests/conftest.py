@@ -87,6 +87,18 @@ def save_tiny_model(model, model_dir: Path, tokenizer: bool = True) -> Path:
     return model_dir
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _verify_cache(tmp_path_factory):
+    """The runtime's sha256 proof records (graphs.integrity) go to a temporary cache, not ~/.cache."""
+    old = os.environ.get("SPECEXPORT_CACHE_DIR")
+    os.environ["SPECEXPORT_CACHE_DIR"] = str(tmp_path_factory.mktemp("specexport-cache"))
+    yield
+    if old is None:
+        os.environ.pop("SPECEXPORT_CACHE_DIR", None)
+    else:
+        os.environ["SPECEXPORT_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """``tiny_model_dir(kind, model_type="llama") -> Path``: a saved converted tiny model (cached)."""
