@@ -246,7 +246,7 @@ def _export(target: OutDir, model_dir: Path, out_dir: Path, drafter, dtype, opse
     steps = Steps(5, log)
     try:
         with steps(f"load {model_dir}"):
-            check_export_inputs(model_dir)  # generation_config.json, tokenizer.json: before any tracing
+            check_export_inputs(model_dir, COPIED_FILES)  # generation_config.json, tokenizer.json: before any tracing
             model = load_model(model_dir, drafter=drafter)
         traced = model if dtype == "float32" else copy.deepcopy(model).to(TORCH_DTYPES[dtype])
         specs = graph_specs(model, dtype)

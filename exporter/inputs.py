@@ -102,10 +102,14 @@ def check_rope(config, model_dir: Path) -> None:
             raise UserError(f"{model_dir}/config.json: rope_scaling {k} must be a number, got {v!r}; fix the config")
 
 
-def check_export_inputs(model_dir: Path) -> None:
-    """Everything about ``model_dir`` that can be checked without building the model."""
+def check_export_inputs(model_dir: Path, copied=()) -> None:
+    """Everything about ``model_dir`` that can be checked without building the model; ``copied``: the
+    side files the export will copy (each must be a regular file or an allowed link)."""
     model_dir = Path(model_dir)
     if model_dir.is_dir():
+        for name in copied:
+            if os.path.lexists(model_dir / name):
+                _safe_source(model_dir, model_dir / name)
         check_generation_config(model_dir)
         check_tokenizer(model_dir)
 

@@ -87,7 +87,7 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
         try:
             load_external_drafter(model, path)
         except (ValueError, TypeError) as e:
-            if "weights_only=False" in str(e):
+            if _unsafe_advice(e):
                 raise UserError(f"cannot read the drafter {path}: {_one_line(e)}") from None
             raise UserError(f"drafter {path} does not fit {model_dir}: {_one_line(e)}") from None
         except Exception as e:  # safetensors/pickle errors of a damaged file have no common base class
@@ -126,8 +126,14 @@ def _from_pretrained_checked(auto_cls, model_dir: Path, dtype, trust_remote_code
     return model
 
 
+def _unsafe_advice(e: BaseException) -> bool:
+    """torch.load's refusal, whose text advises retrying with weights_only=False (never do that)."""
+    text = str(e)
+    return ("weights_only" in text and "False" in text) or "Weights only load failed" in text
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    if "weights_only=False" in str(e):  # torch's UnpicklingError advice (retry with weights_only=False) is unsafe
+    if _unsafe_advice(e):  # torch's UnpicklingError advice (retry with weights_only=False) is unsafe
         return "not a weights-only PyTorch file (a pickle of code or objects is never loaded); save plain tensors"
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -167,7 +167,7 @@ def test_lock_is_per_out_dir_and_released_after_failure(model, tmp_path, monkeyp
     a = exporter.outdir.OutDir(tmp_path / "a")
     a.open()
     try:
-        with pytest.raises(UserError, match="another export into .* is running"):
+        with pytest.raises(UserError, match=r"another export into .* is running"):
             exporter.outdir.OutDir(tmp_path / "a").open()
         b = exporter.outdir.OutDir(tmp_path / "b")
         b.open()

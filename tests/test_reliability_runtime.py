@@ -211,7 +211,7 @@ def test_graph_file_that_does_not_match_its_declared_contract(exported, tmp_path
     shutil.copy(d / "draft.onnx", d / "base.onnx")
     m = Manifest.read(d, verify=False)
     m.write(d)
-    with pytest.raises(ArtifactError, match="base graph base.onnx does not have the inputs its manifest declares"):
+    with pytest.raises(ArtifactError, match=r"base graph base\.onnx does not have the inputs its manifest declares"):
         load(d)
 
 
@@ -261,7 +261,7 @@ def test_change_with_restored_mtime_is_still_caught(exported, tmp_path, counted)
     flip_bit(p)
     os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert p.stat().st_size == st.st_size and p.stat().st_mtime_ns == st.st_mtime_ns
-    with pytest.raises(ArtifactError, match="base.onnx does not match its sha256"):
+    with pytest.raises(ArtifactError, match=r"base\.onnx does not match its sha256"):
         load(d)
 
 
@@ -322,7 +322,7 @@ def test_largest_eagle_tree_still_runs(decoders):
 
 
 def test_typical_acceptance_on_a_base_only_export(decoders):
-    with pytest.raises(InputError, match="typical acceptance needs a Medusa drafter.*base only") as e:
+    with pytest.raises(InputError, match=r"typical acceptance needs a Medusa drafter.*base only") as e:
         decoders["base"].generate([5, 6], max_new_tokens=2, temperature=0.5, acceptance="typical")
     assert "EAGLE" not in str(e.value)
 
