@@ -34,7 +34,7 @@ from graphs.kv import KVCache
 from graphs.limits import check_eagle_tree, check_medusa_tree
 from graphs.manifest import Manifest
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
-from graphs.schema import check_session
+from graphs.schema import check_session, load_graph
 from graphs.sessions import make_session, resolve_provider
 from graphs.trees import (
     DEFAULT_EAGLE_TREE,
@@ -83,7 +83,7 @@ class Decoder:
             spec = m.graphs.get(role)
             if spec is None:
                 return None
-            sess = make_session(self.out_dir / spec.file, self.provider, threads, optimization)
+            sess = load_graph(make_session, self.out_dir / spec.file, self.provider, threads, optimization)
             check_session(spec, sess, role)  # the file's own inputs/outputs are the manifest's
             return sess
 

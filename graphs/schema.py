@@ -185,3 +185,16 @@ def check_session(spec: C.GraphSpec, session, role: str) -> None:
                     "float)", "float32)").replace("double)", "float64)"):
                 raise ArtifactError(f"the {role} graph {spec.file}'s {side} {t.name} is {a.type} {a.shape}, its "
                                     f"manifest declares {t.dtype} {list(t.dims)}; re-export the model")
+
+
+def load_graph(make_session, path, *args):
+    """``make_session(path, *args)``; a graph ONNX Runtime refuses to load (damaged, external data
+    outside the export, unknown ops) is an ArtifactError, not a raw ONNX Runtime exception."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    try:
+        return make_session(path, *args)
+    except (ort_state.Fail, ort_state.InvalidGraph, ort_state.InvalidProtobuf, ort_state.NoSuchFile,
+            ort_state.InvalidArgument) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ArtifactError(f"ONNX Runtime cannot load {path} ({detail}); re-export the model") from None

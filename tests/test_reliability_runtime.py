@@ -105,6 +105,25 @@ def test_unlisted_file_is_refused(exported, external, tmp_path):
         load(d, verify=False)  # even without hashing: ORT would open it
 
 
+def test_external_data_outside_the_export_is_refused(external, tmp_path):
+    """base.onnx pointing at ../base.onnx.data, manifest rehashed: ONNX Runtime must not read it."""
+    import onnx
+
+    d = copy(external, tmp_path / "d")
+    shutil.move(d / "base.onnx.data", tmp_path / "base.onnx.data")
+    proto = onnx.load(str(d / "base.onnx"), load_external_data=False)
+    for t in proto.graph.initializer:
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = "../base.onnx.data"
+    (d / "base.onnx").write_bytes(proto.SerializeToString())
+    data = json.loads((d / MANIFEST).read_text())
+    del data["files"]["base.onnx.data"]
+    Manifest.from_json(data).write(d)  # rehashed: every file in d is listed and matches
+    with pytest.raises(ArtifactError, match=r"ONNX Runtime cannot load .*base\.onnx \(.*escapes model directory"):
+        load(d)
+
+
 def test_manifest_listing_no_files_is_refused(exported, tmp_path):
     d = edit_manifest(copy(exported("medusa"), tmp_path / "nofiles"), lambda m: m.update(files={}))
     with pytest.raises(ArtifactError, match=r"graphs\.base\.file 'base\.onnx' is not listed in files"):
