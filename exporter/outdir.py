@@ -137,8 +137,7 @@ class OutDir:
             return
         if not self.overwrite:
             if recheck:
-                raise UserError(f"out_dir {out} {when}holds {entries[0]}{tail}; move it away, or pass --overwrite "
-                                f"to replace an earlier export")
+                raise UserError(f"out_dir {out} {when}holds {entries[0]}{tail}; move it away and export again")
             raise UserError(f"out_dir {out} is not empty; pass --overwrite to replace an earlier export")
         foreign = [] if self.non_export else foreign_entries(self.real)
         if foreign:

@@ -98,7 +98,7 @@ def test_file_created_in_absent_out_dir_during_export_is_kept(model, tmp_path, m
     hook = during_trace(monkeypatch, create)
     rc, err = run_main(capsys, model, out, "--no-validate")
     assert hook
-    one_line(rc, err, "changed during the export", "precious.txt", "--overwrite")
+    one_line(rc, err, "changed during the export", "precious.txt", "nothing was replaced", "export again")
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
     assert (out / "precious.txt").read_text() == "mine\n"
     assert ours(tmp_path) == []
