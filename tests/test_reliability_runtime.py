@@ -373,11 +373,15 @@ class PoisonedSession:
 @pytest.mark.parametrize("mode", ["autoregressive", "speculative"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("after", [0, 1])  # in the prefill, or in a later step
-def test_non_finite_logits_raise_the_same_clear_error(exported, value, kind, mode, temperature, after):
-    dec = graphs.load(exported(kind), provider="cpu", threads=1)
-    dec.base = PoisonedSession(dec.base, value, after)
-    with pytest.raises(NonFiniteLogitsError, match=r"non-finite logits \(nan or inf\).*--dtype float32"):
-        dec.generate([5, 6, 7], max_new_tokens=16, mode=mode, temperature=temperature, seed=0)
+def test_non_finite_logits_raise_the_same_clear_error(decoders, value, kind, mode, temperature, after):
+    dec = decoders[kind]
+    clean = dec.base
+    dec.base = PoisonedSession(clean, value, after)
+    try:
+        with pytest.raises(NonFiniteLogitsError, match=r"non-finite logits \(nan or inf\).*--dtype float32"):
+            dec.generate([5, 6, 7], max_new_tokens=16, mode=mode, temperature=temperature, seed=0)
+    finally:
+        dec.base = clean
 
 
 def test_minus_inf_logits_are_fine(exported):
