@@ -5,8 +5,9 @@
 Writes ``base.onnx`` (and ``draft.onnx`` when there is a drafter), ``manifest.json`` and the
 tokenizer files into ``out_dir``. The export is built in a temporary directory beside
 ``out_dir``, checked against PyTorch (:mod:`exporter.compare`) and moved into place only when
-complete: a failed export leaves nothing behind and an existing ``out_dir`` is replaced only with
-``--overwrite``. Without ``model_dir`` it builds the project's demo model first.
+complete, under a lock on ``out_dir`` (:mod:`exporter.outdir`): a failed or terminated export leaves
+nothing behind, and ``--overwrite`` replaces an earlier export only (``--overwrite-non-export OUT_DIR``
+replaces anything). Without ``model_dir`` it builds the project's demo model first.
 """
 
 from __future__ import annotations
