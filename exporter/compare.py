@@ -1,13 +1,27 @@
 """PyTorch vs ONNX Runtime: where the exported graphs differ from the model, and by how much.
 
-    python -m exporter.compare model_dir out_dir [--json report.json] [--provider cpu]
+    python -m exporter.compare model_dir out_dir [--json report.json] [--provider cpu] [--text FILE]
 
 Runs the float32 PyTorch model and the exported graphs on the same inputs and reports, per graph,
 case and output: max absolute error, max relative error, the index where the largest error
-occurs (with both values there) and top-1 agreement of logits. Cases cover prefill with no past,
-a one-token decode, tree verification with a non-causal tree mask at batch 2 with a past, a
-batch with holes in the past (sequences of different lengths), and the draft graph's step. Exits
+occurs (with both values there) and top-1 agreement of logits. Two references:
+
+- the traced wrappers (:mod:`exporter.trace`), for what only they can run: prefill, a one-token
+  decode, tree verification with a non-causal tree mask at batch 2 with a past, a batch with holes
+  in the past, and the draft graph's steps;
+- Hugging Face's own forward with its own cache (:mod:`exporter.hf_reference`, none of the
+  exporter's modelling code), for the causal cases ``hf_*``: prefill, one-token steps and a chunk
+  over a past, EAGLE-3 auxiliary states against ``output_hidden_states`` at the configured layers.
+  A bug in the traced code is in the graph *and* the first reference; it cannot hide from this one.
+
+A case that raises (in ONNX Runtime or in a reference) is a failed row, never a skipped one. Exits
 non-zero when an output exceeds the tolerance for its dtype and device (:data:`TOLERANCES`).
+
+A quantized graph (the manifest's ``optimization`` entry, or quantized operators found in it) is a
+different model: its logits are judged by top-1 agreement and mean KL against quality thresholds
+(:data:`exporter.distance.QUALITY`), held-out text is scored by both models (top-1, KL,
+perplexity), and the report says it is a distance, not bit-parity (``--distance`` adds the
+held-out rows for float graphs too).
 """
 
 from __future__ import annotations
@@ -20,6 +34,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from exporter.distance import (
+    DistanceRow,
+    distance_row,
+    graph_quantization,
+    held_out_ids,
+    logits_distance,
+    optimization_entry,
+    quality_for,
+)
+from exporter.hf_reference import causal_bool_mask, hf_base_cases
 from exporter.loading import UserError
 from exporter.trace import flatten_kv, graph_module
 from graphs import contract as C
@@ -67,18 +91,39 @@ class Row:
     top1: float | None
     limit: float
     ok: bool
+    # "parity": within TOLERANCES; "distance": logits of a quantized graph against QUALITY (top1, kl);
+    # "info": another output of a quantized graph, reported, failing only when non-finite or
+    # misshapen; "error": the case raised (``error`` says what), always a failure.
+    check: str = "parity"
+    kl: float | None = None  # mean KL(torch ‖ onnx) of logits, distance rows only
+    error: str | None = None
+
+
+def error_row(graph: str, case: str, exc: BaseException) -> Row:
+    text = str(exc).strip().splitlines()
+    msg = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return Row(graph=graph, case=case, output="<error>", shape=[], max_abs=float("inf"), max_rel=float("inf"),
+               where=[], torch_value=float("nan"), onnx_value=float("nan"), top1=None, limit=0.0, ok=False,
+               check="error", error=msg)
 
 
 @dataclass
 class CompareReport:
     dtype: str
     device: str
-    tolerance: dict
+    tolerance: dict  # the base graph's
     rows: list[Row] = field(default_factory=list)
+    tolerances: dict = field(default_factory=dict)  # role -> tolerance (optimized graphs may differ)
+    quantization: dict = field(default_factory=dict)  # role -> "none" | "int8" | "int4" | ...
+    distance: list[DistanceRow] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.rows)
+        return all(r.ok for r in self.rows) and all(d.ok for d in self.distance)
+
+    @property
+    def quantized(self) -> list[str]:
+        return [role for role, q in self.quantization.items() if q != "none"]
 
     def failures(self) -> list[Row]:
         return [r for r in self.rows if not r.ok]
@@ -89,7 +134,11 @@ class CompareReport:
             "dtype": self.dtype,
             "device": self.device,
             "tolerance": self.tolerance,
+            "tolerances": self.tolerances,
+            "quantization": self.quantization,
+            "parity": not self.quantized,  # False: a quantized graph, compared by distance only
             "rows": [asdict(r) for r in self.rows],
+            "distance": [asdict(d) for d in self.distance],
         }
 
     def summary_rows(self) -> list[Row]:
@@ -101,6 +150,8 @@ class CompareReport:
                 if name.startswith(prefix):
                     name = prefix + "*"
             key = (r.graph, r.case, name)
+            if key in worst and not worst[key].ok:
+                continue  # a failure stays the row shown
             if key not in worst or (r.max_abs > worst[key].max_abs) or not r.ok:
                 worst[key] = Row(**{**asdict(r), "output": name})
         return list(worst.values())
@@ -109,15 +160,38 @@ class CompareReport:
         head = f"{'graph':6} {'case':22} {'output':18} {'max_abs':>9} {'max_rel':>9} {'top1':>6}  where"
         lines = [head, "-" * len(head)]
         for r in self.rows if full else self.summary_rows():
+            if r.check == "error":
+                lines.append(f"{r.graph:6} {r.case:22} ERROR: {r.error}  FAIL (the case raised)")
+                continue
             top1 = "" if r.top1 is None else f"{r.top1:.3f}"
-            mark = "" if r.ok else f"  FAIL (limit {r.limit:.2e})"
+            if r.check == "distance":
+                q = quality_for(self.quantization.get(r.graph, "none"))
+                extra = f" kl={r.kl:.3g}"
+                mark = "" if r.ok else f"  FAIL (quality top1>={q.top1:g}, kl<={q.kl:g})"
+            else:
+                extra = " (not gated: quantized)" if r.check == "info" else ""
+                mark = "" if r.ok else f"  FAIL (limit {r.limit:.2e})"
             lines.append(
                 f"{r.graph:6} {r.case:22} {r.output:18} {r.max_abs:9.2e} {r.max_rel:9.2e} {top1:>6}  "
-                f"{tuple(r.where)} torch={r.torch_value:.5g} onnx={r.onnx_value:.5g}{mark}"
+                f"{tuple(r.where)} torch={r.torch_value:.5g} onnx={r.onnx_value:.5g}{extra}{mark}"
             )
-        verdict = "PASS" if self.ok else f"FAIL: {len(self.failures())} output(s) over tolerance"
+        if self.distance:
+            lines.append("held-out text, teacher-forced (distance from PyTorch):")
+            for d in self.distance:
+                q = d.quality
+                mark = "" if d.ok else (f"  FAIL (quality top1>={q['top1']:g}, kl<={q['kl']:g}, "
+                                        f"ppl ratio<={q['ppl_ratio']:g})")
+                lines.append(f"  {d.graph} [{d.quantization}] {d.tokens} tokens of {d.text}: top1 {d.top1:.3f}, "
+                             f"mean KL {d.mean_kl:.3g}, perplexity {d.ppl_onnx:.4g} vs PyTorch {d.ppl_torch:.4g} "
+                             f"(x{d.ppl_ratio:.3f}){mark}")
+        n_bad = len(self.failures()) + sum(not d.ok for d in self.distance)
+        verdict = "PASS" if self.ok else f"FAIL: {n_bad} output(s) over tolerance or failed"
         lines.append(f"{verdict} ({self.dtype} on {self.device}, atol={self.tolerance['atol']:g}, "
                      f"rtol={self.tolerance['rtol']:g}, top1>={self.tolerance['top1']:g})")
+        if self.quantized:
+            kinds = ", ".join(f"{role} {self.quantization[role]}" for role in self.quantized)
+            lines.append(f"distance, not bit-parity: quantized graphs ({kinds}) are a different model; their logits "
+                         f"are judged by top-1 agreement and mean KL (exporter.distance.QUALITY)")
         return "\n".join(lines)
 
 
@@ -273,8 +347,13 @@ def run_case(session, spec: C.GraphSpec, inputs: list[torch.Tensor]) -> list[np.
     return session.run(spec.output_names, feed)
 
 
-def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | None = None) -> CompareReport:
-    """Compare every exported graph in ``out_dir`` with ``model`` (float32 PyTorch)."""
+def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | None = None, *,
+                  text: str | None = None, distance: bool = False, text_tokens: int = 128) -> CompareReport:
+    """Compare every exported graph in ``out_dir`` with ``model`` (float32 PyTorch).
+
+    ``text``: held-out text for the distance rows (default: a built-in paragraph); they are computed
+    for quantized base graphs, and for float ones too when ``distance`` is set.
+    """
     from graphs.sessions import make_session
 
     out_dir = Path(out_dir)
@@ -283,25 +362,109 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
     dtype = specs["base"].output(C.LOGITS).dtype
     _check_same_model(model, specs, dtype, out_dir)
     device = "cuda" if provider == "cuda" else "cpu"
-    tol = TOLERANCES[(dtype, device)]
-    report = CompareReport(dtype=dtype, device=device, tolerance=asdict(tol))
+    opt = optimization_entry(out_dir, manifest)
+    tols = {role: TOLERANCES[(_role_dtype(opt.get(role), spec), device)] for role, spec in specs.items()}
+    quant = graph_quantization(out_dir, manifest)
+    report = CompareReport(dtype=dtype, device=device, tolerance=asdict(tols["base"]),
+                           tolerances={role: asdict(t) for role, t in tols.items()}, quantization=quant)
     for role in specs:
-        session = _session(make_session, out_dir / specs[role].file, provider, dtype)
+        spec, tol = specs[role], tols[role]
+        session = _session(make_session, out_dir / spec.file, provider, dtype)
         if role not in ("base", "draft"):  # built graphs (K/V update): checked against numpy
-            report.rows += kv_update_rows(role, session, specs[role], tol)
+            report.rows += kv_update_rows(role, session, spec, tol)
             del session
             continue
-        cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
+        try:
+            cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
+        except Exception as e:  # the reference itself failed: a failure, never a skip
+            report.rows.append(error_row(role, "traced_reference", e))
+            cases = []
         module = graph_module(model, role)
         for case, inputs in cases:
-            with torch.no_grad():
-                ref = [t.numpy() for t in module(*inputs)]
-            got = run_case(session, specs[role], inputs)
-            for spec_out, r, o in zip(specs[role].outputs, ref, got):
-                report.rows.append(Row(graph=role, case=case, output=spec_out.name, shape=list(o.shape),
-                                       **compare_arrays(r, o, tol, spec_out.name)))
+            try:
+                with torch.no_grad():
+                    ref = [t.numpy() for t in module(*inputs)]
+                got = run_case(session, spec, inputs)
+            except Exception as e:
+                report.rows.append(error_row(role, case, e))
+                continue
+            report.rows += output_rows(role, case, spec, dict(zip(spec.output_names, ref)),
+                                       dict(zip(spec.output_names, got)), tol, quant[role])
+        if role == "base":
+            report.rows += hf_rows(model, session, spec, tol, quant[role])
+            if distance or quant[role] != "none":
+                try:
+                    report.distance.append(held_out_row(model, session, spec, out_dir, manifest, quant[role],
+                                                        text, text_tokens))
+                except Exception as e:
+                    report.rows.append(error_row(role, "held_out_text", e))
         del session  # one graph's weights in memory at a time
     return report
+
+
+def _role_dtype(entry, spec: C.GraphSpec) -> str:
+    """The precision a graph computes in: the optimize stage's record (float16 inside float32 I/O is
+    possible), else the dtype of its first floating-point output."""
+    declared = entry.get("dtype") if isinstance(entry, dict) else None
+    if declared in {d for d, _ in TOLERANCES}:
+        return declared
+    return next((t.dtype for t in spec.outputs if t.dtype.startswith(("float", "bfloat"))), "float32")
+
+
+def output_rows(role: str, case: str, spec: C.GraphSpec, ref: dict[str, np.ndarray], got: dict[str, np.ndarray],
+                tol: Tolerance, quantization: str = "none") -> list[Row]:
+    """Rows for the outputs named in ``ref`` (in contract order): parity, or distance if quantized."""
+    rows = []
+    for name in [n for n in spec.output_names if n in ref]:
+        if name not in got:
+            rows.append(error_row(role, case, KeyError(f"the graph has no output {name}")))
+            continue
+        r, o = ref[name], got[name]
+        fields = compare_arrays(r, o, tol, name)
+        if quantization != "none" and fields["max_abs"] != float("inf"):
+            finite = bool(np.isfinite(o.astype(np.float64)).all())
+            if name in _LOGITS:
+                q = quality_for(quantization)
+                top1, kl = logits_distance(r, o)
+                fields.update(top1=top1, limit=q.kl, ok=finite and top1 >= q.top1 and kl <= q.kl, check="distance",
+                              kl=kl)
+            else:
+                fields.update(ok=finite, check="info")
+        rows.append(Row(graph=role, case=case, output=name, shape=list(o.shape), **fields))
+    return rows
+
+
+def hf_rows(model, session, spec: C.GraphSpec, tol: Tolerance, quantization: str = "none") -> list[Row]:
+    """The base graph against HF's own forward and cache (exporter.hf_reference): causal cases."""
+    try:
+        cases = hf_base_cases(model, spec)
+    except Exception as e:
+        return [error_row("base", "hf_reference", e)]
+    rows = []
+    for c in cases:
+        try:
+            got = dict(zip(spec.output_names, run_case(session, spec, c.inputs)))
+        except Exception as e:
+            rows.append(error_row("base", c.name, e))
+            continue
+        rows += output_rows("base", c.name, spec, c.ref, got, tol, quantization)
+    return rows
+
+
+def held_out_row(model, session, spec: C.GraphSpec, out_dir: Path, manifest: Manifest, quantization: str,
+                 text: str | None, max_tokens: int) -> DistanceRow:
+    """Held-out text teacher-forced through HF's own forward and the base graph (one prefill each)."""
+    vocab = spec.output(C.LOGITS).dims[-1]
+    ids, what = held_out_ids(out_dir, manifest, text, max_tokens, vocab)
+    ids_t = torch.from_numpy(ids)[None]  # (1, S)
+    s = ids_t.shape[1]
+    with torch.no_grad():
+        ref = model(ids_t).logits[0].float().numpy()  # (S, V)
+    k0 = spec.input(C.past_key(0))
+    n_layers = sum(1 for t in spec.inputs if t.name.endswith(".key"))
+    empty = [torch.zeros(1, k0.dims[1], 0, k0.dims[3]) for _ in range(2 * n_layers)]
+    got = run_case(session, spec, [ids_t, torch.arange(s)[None], causal_bool_mask(1, s, 0), *empty])[0][0]
+    return distance_row("base", quantization, what, ids, ref, got.astype(np.float32))
 
 
 def kv_update_rows(role: str, session, spec: C.GraphSpec, tol: Tolerance) -> list[Row]:
@@ -356,11 +519,29 @@ def _session(make_session, path: Path, provider: str, dtype: str):
         ) from None
 
 
-def compare(model_dir, out_dir, provider: str = "cpu", drafter=None) -> CompareReport:
+def compare(model_dir, out_dir, provider: str = "cpu", drafter=None, text: str | None = None,
+            distance: bool = False) -> CompareReport:
     """Load the PyTorch model from ``model_dir`` and compare it with the export in ``out_dir``."""
     from exporter.loading import load_model
 
-    return compare_model(load_model(model_dir, drafter=drafter), out_dir, provider=provider)
+    manifest = Manifest.read(out_dir)  # bad out_dir: one line before the model loads
+    return compare_model(load_model(model_dir, drafter=drafter), out_dir, provider=provider, manifest=manifest,
+                         text=text, distance=distance)
+
+
+def _read_text(path: str | None) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--text {p} is not a file; pass a UTF-8 text file of held-out text")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--text {p} is not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 file") from None
+    if not text.strip():
+        raise UserError(f"--text {p} is empty; pass a file with at least two tokens of held-out text")
+    return text
 
 
 def _main_e2e(args) -> int:
@@ -368,6 +549,7 @@ def _main_e2e(args) -> int:
     from exporter import e2e
     from exporter.loading import load_model
 
+    e2e.check_prompts(args.prompt)  # before anything loads
     model = load_model(args.model_dir, drafter=args.drafter)
     decoder = graphs.load(args.out_dir, provider=args.provider)
     prompts = args.prompt or e2e.default_prompts(decoder)
@@ -391,13 +573,17 @@ def main(argv=None) -> int:
                     help="end to end: greedy tokens of PyTorch vs the runtime (speculative and autoregressive)")
     ap.add_argument("--prompt", action="append", help="prompt for --e2e (repeatable; default: built-in prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt for --e2e")
+    ap.add_argument("--text", help="held-out text file for the distance rows (quantized graphs; default: built-in)")
+    ap.add_argument("--distance", action="store_true",
+                    help="also score held-out text for float graphs (top-1, mean KL, perplexity vs PyTorch)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_intermixed_args(argv)
 
     def body():
         if args.e2e:
             return _main_e2e(args)
-        report = compare(args.model_dir, args.out_dir, provider=args.provider, drafter=args.drafter)
+        report = compare(args.model_dir, args.out_dir, provider=args.provider, drafter=args.drafter,
+                         text=_read_text(args.text), distance=args.distance)
         print(report.table())
         if args.json:
             Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from exporter.loading import UserError
+
 
 @dataclass
 class TokenRow:
@@ -36,12 +38,22 @@ def _first_mismatch(*seqs: list[int]) -> int | None:
     return None
 
 
+def check_prompts(prompts: list | None) -> None:
+    """Refuse empty prompts up front: there is no last token to continue from."""
+    for i, p in enumerate(prompts or []):
+        if (isinstance(p, str) and not p) or (not isinstance(p, str) and len(p) == 0):
+            raise UserError(f"--prompt #{i + 1} is empty; give each prompt at least one token of text")
+
+
 def compare_tokens(model, decoder, prompts: list, max_new_tokens: int = 32) -> list[TokenRow]:
     """Greedy tokens of ``model`` (PyTorch) vs ``decoder`` (graphs.Decoder) for each prompt."""
+    check_prompts(prompts)
     rows = []
     eos = sorted(decoder.eos) or None
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids = decoder.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise UserError(f"prompt #{i + 1} {p!r} encodes to no tokens; give each prompt at least one token of text")
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
