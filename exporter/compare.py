@@ -560,7 +560,9 @@ def _main_e2e(args) -> int:
     model = load_model(args.model_dir, drafter=args.drafter)
     decoder = graphs.load(args.out_dir, provider=args.provider)
     prompts = args.prompt or e2e.default_prompts(decoder)
-    rows = e2e.compare_tokens(model, decoder, prompts, max_new_tokens=args.max_new_tokens)
+    quant = graph_quantization(Path(args.out_dir), decoder.manifest)
+    rows = e2e.compare_tokens(model, decoder, prompts, max_new_tokens=args.max_new_tokens,
+                              quantized=quant.get("base", "none") != "none")
     print(e2e.table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(e2e.to_json(rows), indent=2) + "\n")

@@ -24,6 +24,7 @@ from graphs.manifest import MANIFEST, Manifest
 
 def quantize_base(src, dst, bits: int, declare: bool = True, lm_head_noise: float = 0.0):
     """Copy an export and quantize its base graph's MatMuls to ``bits`` (block 32); rehash the manifest."""
+    pytest.importorskip("onnx_ir", reason="onnxruntime's MatMulNBitsQuantizer needs onnx-ir (pip install onnx-ir)")
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     shutil.copytree(src, dst)
@@ -165,3 +166,33 @@ def test_an_optimized_float16_graph_gets_float16_tolerances():
     assert _role_dtype({"dtype": "float16", "quantization": "none"}, spec) == "float16"
     assert _role_dtype({"dtype": "mixed"}, spec) == "float32"  # unknown: the graph's own I/O dtype
     assert TOLERANCES[("float16", "cpu")].atol > TOLERANCES[("float32", "cpu")].atol
+
+
+# ----------------------------------------------------------------------------- e2e on a quantized base
+
+
+def test_e2e_on_a_quantized_base_gates_speculative_against_its_own_greedy(exported, tiny_model_dir, tmp_path,
+                                                                         capsys):
+    """Lossless relative to the quantized base: speculative == autoregressive of the same graphs, PyTorch reported."""
+    out = quantize_base(exported("medusa"), tmp_path / "int4", 4)
+    report_file = tmp_path / "e2e.json"
+    rc, stdout, err = run_compare(capsys, tiny_model_dir("medusa"), out, "--e2e", "--max-new-tokens", 8,
+                                  "--json", report_file)
+    assert rc == 0, stdout + err
+    assert "on the same quantized graphs" in stdout and "PyTorch agrees on the first" in stdout
+    rows = json.loads(report_file.read_text())["rows"]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["quantized"] is True and row["speculative_tokens"] == row["autoregressive_tokens"]
+        assert 0 <= row["torch_agreement"] <= len(row["torch_tokens"])
+
+
+def test_e2e_quantized_rows_gate_only_the_same_graphs():
+    from exporter.e2e import TokenRow, _first_mismatch, table
+
+    torch_tokens, spec, ar = [1, 2, 3], [1, 5, 6], [1, 5, 6]
+    row = TokenRow("p", torch_tokens, spec, ar, _first_mismatch(spec, ar), 2.0, quantized=True, torch_agreement=1)
+    assert row.ok and "PyTorch agrees on the first 1 of 3" in table([row]) and "PASS" in table([row])
+    bad = TokenRow("p", torch_tokens, [1, 5, 7], ar, _first_mismatch([1, 5, 7], ar), 2.0, quantized=True,
+                   torch_agreement=1)
+    assert not bad.ok and "DIFFER at new token 2" in table([bad]) and "FAIL" in table([bad])
