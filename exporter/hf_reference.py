@@ -14,6 +14,8 @@ way (HF's forward has no tree masks), so the cases are:
   is fed HF's cache as its past, so each row is one graph call's error (nothing accumulates);
 - ``hf_chunk4_b2``: 4 tokens at once over a past of 10 (past > 0 with S > 1).
 
+(Shorter inside a sliding window smaller than 15 tokens: see :func:`_lengths`.)
+
 ``output_hidden_states`` is ``(embeddings, out(layer 0), ..., out(layer L-2), norm(out(layer L-1)))``
 on 4.57 and 5.x alike: layer ``i``'s output is entry ``i + 1`` except for the last layer, whose
 entry is after the final norm. For that one id the reference is taken with a forward hook on HF's
@@ -150,8 +152,19 @@ def hf_base_cases(model, spec: C.GraphSpec, seed: int = 0) -> list[HFCase]:
         cases.append(HFCase(name, [ids, pos, causal_bool_mask(b, s, p), *past_flat], ref))
         return torch.from_numpy(ref[C.LOGITS][:, -1:]).argmax(-1)  # (B, 1): HF's greedy next token
 
-    nxt = case("hf_prefill_b2", torch.randint(0, vocab, (b, 7), generator=g))
+    prefill, chunk = _lengths(model.config)
+    name = "hf_prefill_b2" if prefill == 7 else f"hf_prefill{prefill}_b2"
+    nxt = case(name, torch.randint(0, vocab, (b, prefill), generator=g))
     for step in (1, 2, 3):
         nxt = case(f"hf_step{step}_b2", nxt)
-    case("hf_chunk4_b2", torch.randint(0, vocab, (b, 4), generator=g))
+    case(f"hf_chunk{chunk}_b2", torch.randint(0, vocab, (b, chunk), generator=g))
     return cases
+
+
+def _lengths(config) -> tuple[int, int]:
+    """(prefill, chunk) lengths: 7 and 4, shortened to stay inside a sliding window, where HF's forward
+    would mask (and its cache drop) what the graphs, by design, attend (the runtime caps the context there)."""
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    budget = 14 if not window else max(5, min(14, int(window) - 1))  # prefill + 3 steps + chunk
+    prefill = min(7, max(2, budget - 7))
+    return prefill, min(4, max(1, budget - prefill - 3))
