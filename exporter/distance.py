@@ -97,7 +97,7 @@ def graph_quantization(out_dir: Path, manifest: Manifest) -> dict[str, str]:
     result = {}
     for role, spec in manifest.graphs.items():
         entry = opt.get(role) if isinstance(opt.get(role), dict) else {}
-        declared = str(entry.get("quantization", "none"))
+        declared = str(entry.get("quantization") or "none").lower()  # a record may say None for "none"
         path = Path(out_dir) / spec.file
         found = quantized_ops(path) if path.is_file() else set()
         if declared == "none" and found:

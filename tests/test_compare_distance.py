@@ -86,6 +86,18 @@ def test_quantized_base_reports_distance_not_parity(exported, tiny_model_dir, tm
     assert d["ppl_onnx"] / d["ppl_torch"] == pytest.approx(d["ppl_ratio"])
 
 
+def test_declared_records_without_quantization_mean_none(exported, tmp_path):
+    from exporter.distance import graph_quantization
+
+    out = tmp_path / "declared"
+    shutil.copytree(exported("medusa"), out)
+    data = json.loads((out / MANIFEST).read_text())
+    data["optimization"] = {"base": {"passes": ["rms_norm"], "dtype": "float32", "quantization": "none"},
+                            "kv_update": {"passes": ["float16"], "dtype": "float16", "quantization": None}}
+    (out / MANIFEST).write_text(json.dumps(data))
+    assert graph_quantization(out, Manifest.read(out)) == {"base": "none", "draft": "none", "kv_update": "none"}
+
+
 def test_undeclared_quantization_is_found_in_the_graph(exported, tiny_model_dir, tmp_path):
     """A manifest without the optimization entry (or saying "none") cannot make a quantized graph claim parity."""
     out = quantize_base(exported("medusa"), tmp_path / "undeclared", 4, declare=False)
