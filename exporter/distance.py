@@ -91,13 +91,27 @@ def quantized_ops(path: Path) -> set[str]:
     return {n.op_type for n in proto.graph.node} & QUANTIZED_OPS
 
 
+def quantization_name(value) -> str:
+    """A record's ``quantization`` as a :data:`QUALITY` key: "none", "int4", "int8", ...
+
+    exporter.optimize may write a name or a dict of its settings (``{"method": "matmulnbits",
+    "bits": 4, "block_size": 32, ...}``); None and "" mean none.
+    """
+    if not value:
+        return "none"
+    if isinstance(value, dict):
+        bits = value.get("bits")
+        return f"int{bits}" if isinstance(bits, int) else str(value.get("method") or "unknown").lower()
+    return str(value).lower()
+
+
 def graph_quantization(out_dir: Path, manifest: Manifest) -> dict[str, str]:
     """role -> "none" | "int8" | "int4" | ... for every graph; undeclared quantized ops are named."""
     opt = optimization_entry(out_dir, manifest)
     result = {}
     for role, spec in manifest.graphs.items():
         entry = opt.get(role) if isinstance(opt.get(role), dict) else {}
-        declared = str(entry.get("quantization") or "none").lower()  # a record may say None for "none"
+        declared = quantization_name(entry.get("quantization"))
         path = Path(out_dir) / spec.file
         found = quantized_ops(path) if path.is_file() else set()
         if declared == "none" and found:

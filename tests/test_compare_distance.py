@@ -98,6 +98,18 @@ def test_declared_records_without_quantization_mean_none(exported, tmp_path):
     assert graph_quantization(out, Manifest.read(out)) == {"base": "none", "draft": "none", "kv_update": "none"}
 
 
+@pytest.mark.parametrize(("value", "name"), [
+    (None, "none"), ("", "none"), ("none", "none"), ("INT4", "int4"), ("int8", "int8"),
+    ({"method": "matmulnbits", "bits": 4, "block_size": 32, "accuracy_level": 4}, "int4"),  # exporter.optimize's
+    ({"method": "matmulnbits", "bits": 8}, "int8"), ({"method": "gptq"}, "gptq"),
+])
+def test_quantization_record_names(value, name):
+    from exporter.distance import quality_for, quantization_name
+
+    assert quantization_name(value) == name
+    assert quality_for(name) == QUALITY.get(name, QUALITY["int4"])
+
+
 def test_undeclared_quantization_is_found_in_the_graph(exported, tiny_model_dir, tmp_path):
     """A manifest without the optimization entry (or saying "none") cannot make a quantized graph claim parity."""
     out = quantize_base(exported("medusa"), tmp_path / "undeclared", 4, declare=False)
