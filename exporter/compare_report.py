@@ -153,9 +153,9 @@ class CompareReport:
                f"top1>={self.tolerance['top1']:g}")
         if self.quantized:
             kinds = ", ".join(f"{role} {self.quantization[role]}" for role in self.quantized)
-            lines.append(f"{verdict} (distance, not bit-parity: quantized {kinds} is a different model, its logits "
-                         f"judged by top-1 agreement and mean KL against exporter.distance.QUALITY; other outputs "
-                         f"reported only; float graphs {self.dtype} on {self.device}, {tol})")
+            lines.append(f"{verdict} (distance, not bit-parity: quantized graphs ({kinds}) are a different model, "
+                         f"their logits judged by top-1 agreement and mean KL against exporter.distance.QUALITY, "
+                         f"other outputs reported only; float graphs {self.dtype} on {self.device}, {tol})")
         else:
             lines.append(f"{verdict} ({self.dtype} on {self.device}, {tol})")
         return "\n".join(lines)

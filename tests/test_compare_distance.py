@@ -66,7 +66,7 @@ def test_quantized_base_reports_distance_not_parity(exported, tiny_model_dir, tm
     report_file = tmp_path / "report.json"
     rc, stdout, err = run_compare(capsys, tiny_model_dir("medusa"), out, "--json", report_file)
     assert rc == 0, stdout + err
-    assert "distance, not bit-parity: quantized base int" in stdout
+    assert f"distance, not bit-parity: quantized graphs (base int{bits}) are a different model" in stdout
     assert "held-out text, teacher-forced" in stdout and "perplexity" in stdout
     report = json.loads(report_file.read_text())
     assert report["ok"] is True and report["parity"] is False
