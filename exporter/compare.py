@@ -1,25 +1,59 @@
 """PyTorch vs ONNX Runtime: where the exported graphs differ from the model, and by how much.
 
-    python -m exporter.compare model_dir out_dir [--json report.json] [--provider cpu]
+    python -m exporter.compare model_dir out_dir [--json report.json] [--provider cpu] [--text FILE]
 
 Runs the float32 PyTorch model and the exported graphs on the same inputs and reports, per graph,
 case and output: max absolute error, max relative error, the index where the largest error
-occurs (with both values there) and top-1 agreement of logits. Cases cover prefill with no past,
-a one-token decode, tree verification with a non-causal tree mask at batch 2 with a past, a
-batch with holes in the past (sequences of different lengths), and the draft graph's step. Exits
+occurs (with both values there) and top-1 agreement of logits. Two references:
+
+- the traced wrappers (:mod:`exporter.trace`), for what only they can run: prefill, a one-token
+  decode, tree verification with a non-causal tree mask at batch 2 with a past, a batch with holes
+  in the past, and the draft graph's steps;
+- Hugging Face's own forward with its own cache (:mod:`exporter.hf_reference`, none of the
+  exporter's modelling code), for the causal cases ``hf_*``: prefill, one-token steps and a chunk
+  over a past, EAGLE-3 auxiliary states against ``output_hidden_states`` at the configured layers.
+  A bug in the traced code is in the graph *and* the first reference; it cannot hide from this one.
+
+A case that raises (in ONNX Runtime or in a reference) is a failed row, never a skipped one. Exits
 non-zero when an output exceeds the tolerance for its dtype and device (:data:`TOLERANCES`).
+
+A quantized graph (the manifest's ``optimization`` entry, or quantized operators found in it) is a
+different model: its logits are judged by top-1 agreement and mean KL against quality thresholds
+(:data:`exporter.distance.QUALITY`), held-out text is scored by both models (top-1, KL,
+perplexity), and the report says it is a distance, not bit-parity (``--distance`` adds the
+held-out rows for float graphs too).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from exporter.compare_report import (  # noqa: F401  (re-exported: the report's names live here too)
+    _AGREEMENT_ONLY,
+    _LOGITS,
+    TOLERANCES,
+    CompareReport,
+    Row,
+    Tolerance,
+    compare_arrays,
+    error_row,
+)
+from exporter.distance import (
+    DistanceRow,
+    distance_row,
+    graph_quantization,
+    held_out_ids,
+    logits_distance,
+    optimization_entry,
+    quality_for,
+)
+from exporter.hf_reference import causal_bool_mask, hf_base_cases
 from exporter.loading import UserError
 from exporter.trace import flatten_kv, graph_module
 from graphs import contract as C
@@ -27,124 +61,8 @@ from graphs.manifest import Manifest
 from graphs.trees import Tree
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    atol: float  # an output passes if max|onnx - torch| <= atol + rtol * max|torch|
-    rtol: float
-    top1: float  # minimum fraction of positions whose logits argmax agrees
-
-
-# (graph dtype, device) -> tolerance against the float32 PyTorch reference. One table, never
-# adjusted inside a test.
-TOLERANCES: dict[tuple[str, str], Tolerance] = {
-    ("float32", "cpu"): Tolerance(atol=1e-4, rtol=1e-4, top1=0.99),
-    ("float32", "cuda"): Tolerance(atol=1e-3, rtol=1e-3, top1=0.99),
-    ("float16", "cpu"): Tolerance(atol=2e-2, rtol=2e-2, top1=0.9),
-    ("float16", "cuda"): Tolerance(atol=2e-2, rtol=2e-2, top1=0.9),
-    ("bfloat16", "cpu"): Tolerance(atol=1e-1, rtol=5e-2, top1=0.8),
-    ("bfloat16", "cuda"): Tolerance(atol=1e-1, rtol=5e-2, top1=0.8),
-}
-# Outputs compared for agreement only: equal scores may come out in either order.
-_AGREEMENT_ONLY = {C.TOPK_IDS}
-_LOGITS = {C.LOGITS}
-
-
 class UnsupportedProviderError(UserError):
     """ONNX Runtime has no kernel for this graph on this provider (e.g. bfloat16 ops on the CPU EP)."""
-
-
-@dataclass
-class Row:
-    graph: str
-    case: str
-    output: str
-    shape: list[int]
-    max_abs: float
-    max_rel: float
-    where: list[int]
-    torch_value: float
-    onnx_value: float
-    top1: float | None
-    limit: float
-    ok: bool
-
-
-@dataclass
-class CompareReport:
-    dtype: str
-    device: str
-    tolerance: dict
-    rows: list[Row] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.rows)
-
-    def failures(self) -> list[Row]:
-        return [r for r in self.rows if not r.ok]
-
-    def to_json(self) -> dict:
-        return {
-            "ok": self.ok,
-            "dtype": self.dtype,
-            "device": self.device,
-            "tolerance": self.tolerance,
-            "rows": [asdict(r) for r in self.rows],
-        }
-
-    def summary_rows(self) -> list[Row]:
-        """One row per graph/case/output kind: the K/V outputs of all layers folded into their worst."""
-        worst: dict[tuple, Row] = {}
-        for r in self.rows:
-            name = r.output
-            for prefix in ("present.", "cache_out."):
-                if name.startswith(prefix):
-                    name = prefix + "*"
-            key = (r.graph, r.case, name)
-            if key not in worst or (r.max_abs > worst[key].max_abs) or not r.ok:
-                worst[key] = Row(**{**asdict(r), "output": name})
-        return list(worst.values())
-
-    def table(self, full: bool = False) -> str:
-        head = f"{'graph':6} {'case':22} {'output':18} {'max_abs':>9} {'max_rel':>9} {'top1':>6}  where"
-        lines = [head, "-" * len(head)]
-        for r in self.rows if full else self.summary_rows():
-            top1 = "" if r.top1 is None else f"{r.top1:.3f}"
-            mark = "" if r.ok else f"  FAIL (limit {r.limit:.2e})"
-            lines.append(
-                f"{r.graph:6} {r.case:22} {r.output:18} {r.max_abs:9.2e} {r.max_rel:9.2e} {top1:>6}  "
-                f"{tuple(r.where)} torch={r.torch_value:.5g} onnx={r.onnx_value:.5g}{mark}"
-            )
-        verdict = "PASS" if self.ok else f"FAIL: {len(self.failures())} output(s) over tolerance"
-        lines.append(f"{verdict} ({self.dtype} on {self.device}, atol={self.tolerance['atol']:g}, "
-                     f"rtol={self.tolerance['rtol']:g}, top1>={self.tolerance['top1']:g})")
-        return "\n".join(lines)
-
-
-def compare_arrays(ref: np.ndarray, got: np.ndarray, tol: Tolerance, name: str) -> dict:
-    """Errors of ``got`` against ``ref``: max abs/rel error, its index and the values there."""
-    ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
-    if ref.shape != got.shape:
-        return dict(max_abs=float("inf"), max_rel=float("inf"), where=[], torch_value=float("nan"),
-                    onnx_value=float("nan"), top1=None, limit=0.0, ok=False)
-    if ref.size == 0:
-        return dict(max_abs=0.0, max_rel=0.0, where=[], torch_value=0.0, onnx_value=0.0, top1=None,
-                    limit=0.0, ok=True)
-    if name in _AGREEMENT_ONLY:
-        agree = float((ref == got).mean())
-        return dict(max_abs=float(np.abs(ref64 - got64).max()), max_rel=0.0, where=[], torch_value=0.0,
-                    onnx_value=0.0, top1=agree, limit=0.0, ok=True)
-    diff = np.abs(ref64 - got64)
-    idx = np.unravel_index(int(np.argmax(diff)), diff.shape)
-    rel = diff / np.maximum(np.abs(ref64), tol.atol)
-    limit = tol.atol + tol.rtol * float(np.abs(ref64).max())
-    top1 = None
-    ok = bool(diff.max() <= limit) and bool(np.isfinite(got64).all())
-    if name in _LOGITS:
-        top1 = float((ref64.argmax(-1) == got64.argmax(-1)).mean())
-        ok = ok and top1 >= tol.top1
-    return dict(max_abs=float(diff.max()), max_rel=float(rel.max()), where=[int(i) for i in idx],
-                torch_value=float(ref64[idx]), onnx_value=float(got64[idx]), top1=top1, limit=limit, ok=ok)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -273,8 +191,13 @@ def run_case(session, spec: C.GraphSpec, inputs: list[torch.Tensor]) -> list[np.
     return session.run(spec.output_names, feed)
 
 
-def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | None = None) -> CompareReport:
-    """Compare every exported graph in ``out_dir`` with ``model`` (float32 PyTorch)."""
+def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | None = None, *,
+                  text: str | None = None, distance: bool = False, text_tokens: int = 128) -> CompareReport:
+    """Compare every exported graph in ``out_dir`` with ``model`` (float32 PyTorch).
+
+    ``text``: held-out text for the distance rows (default: a built-in paragraph); they are computed
+    for quantized base graphs, and for float ones too when ``distance`` is set.
+    """
     from graphs.sessions import make_session
 
     out_dir = Path(out_dir)
@@ -283,25 +206,109 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
     dtype = specs["base"].output(C.LOGITS).dtype
     _check_same_model(model, specs, dtype, out_dir)
     device = "cuda" if provider == "cuda" else "cpu"
-    tol = TOLERANCES[(dtype, device)]
-    report = CompareReport(dtype=dtype, device=device, tolerance=asdict(tol))
+    opt = optimization_entry(out_dir, manifest)
+    tols = {role: TOLERANCES[(_role_dtype(opt.get(role), spec), device)] for role, spec in specs.items()}
+    quant = graph_quantization(out_dir, manifest)
+    report = CompareReport(dtype=dtype, device=device, tolerance=asdict(tols["base"]),
+                           tolerances={role: asdict(t) for role, t in tols.items()}, quantization=quant)
     for role in specs:
-        session = _session(make_session, out_dir / specs[role].file, provider, dtype)
+        spec, tol = specs[role], tols[role]
+        session = _session(make_session, out_dir / spec.file, provider, dtype)
         if role not in ("base", "draft"):  # built graphs (K/V update): checked against numpy
-            report.rows += kv_update_rows(role, session, specs[role], tol)
+            report.rows += kv_update_rows(role, session, spec, tol)
             del session
             continue
-        cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
+        try:
+            cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
+        except Exception as e:  # the reference itself failed: a failure, never a skip
+            report.rows.append(error_row(role, "traced_reference", e))
+            cases = []
         module = graph_module(model, role)
         for case, inputs in cases:
-            with torch.no_grad():
-                ref = [t.numpy() for t in module(*inputs)]
-            got = run_case(session, specs[role], inputs)
-            for spec_out, r, o in zip(specs[role].outputs, ref, got):
-                report.rows.append(Row(graph=role, case=case, output=spec_out.name, shape=list(o.shape),
-                                       **compare_arrays(r, o, tol, spec_out.name)))
+            try:
+                with torch.no_grad():
+                    ref = [t.numpy() for t in module(*inputs)]
+                got = run_case(session, spec, inputs)
+            except Exception as e:
+                report.rows.append(error_row(role, case, e))
+                continue
+            report.rows += output_rows(role, case, spec, dict(zip(spec.output_names, ref)),
+                                       dict(zip(spec.output_names, got)), tol, quant[role])
+        if role == "base":
+            report.rows += hf_rows(model, session, spec, tol, quant[role])
+            if distance or quant[role] != "none":
+                try:
+                    report.distance.append(held_out_row(model, session, spec, out_dir, manifest, quant[role],
+                                                        text, text_tokens))
+                except Exception as e:
+                    report.rows.append(error_row(role, "held_out_text", e))
         del session  # one graph's weights in memory at a time
     return report
+
+
+def _role_dtype(entry, spec: C.GraphSpec) -> str:
+    """The precision a graph computes in: the optimize stage's record (float16 inside float32 I/O is
+    possible), else the dtype of its first floating-point output."""
+    declared = entry.get("dtype") if isinstance(entry, dict) else None
+    if declared in {d for d, _ in TOLERANCES}:
+        return declared
+    return next((t.dtype for t in spec.outputs if t.dtype.startswith(("float", "bfloat"))), "float32")
+
+
+def output_rows(role: str, case: str, spec: C.GraphSpec, ref: dict[str, np.ndarray], got: dict[str, np.ndarray],
+                tol: Tolerance, quantization: str = "none") -> list[Row]:
+    """Rows for the outputs named in ``ref`` (in contract order): parity, or distance if quantized."""
+    rows = []
+    for name in [n for n in spec.output_names if n in ref]:
+        if name not in got:
+            rows.append(error_row(role, case, KeyError(f"the graph has no output {name}")))
+            continue
+        r, o = ref[name], got[name]
+        fields = compare_arrays(r, o, tol, name)
+        if quantization != "none" and fields["max_abs"] != float("inf"):
+            finite = bool(np.isfinite(o.astype(np.float64)).all())
+            if name in _LOGITS:
+                q = quality_for(quantization)
+                d = logits_distance(r, o, q.margin)
+                fields.update(top1=d.top1, limit=q.kl, ok=finite and d.ok(q), check="distance", kl=d.kl,
+                              top1_decided=d.top1_decided)
+            else:
+                fields.update(ok=finite, check="info")
+        rows.append(Row(graph=role, case=case, output=name, shape=list(o.shape), **fields))
+    return rows
+
+
+def hf_rows(model, session, spec: C.GraphSpec, tol: Tolerance, quantization: str = "none") -> list[Row]:
+    """The base graph against HF's own forward and cache (exporter.hf_reference): causal cases."""
+    try:
+        cases = hf_base_cases(model, spec)
+    except Exception as e:
+        return [error_row("base", "hf_reference", e)]
+    rows = []
+    for c in cases:
+        try:
+            got = dict(zip(spec.output_names, run_case(session, spec, c.inputs)))
+        except Exception as e:
+            rows.append(error_row("base", c.name, e))
+            continue
+        rows += output_rows("base", c.name, spec, c.ref, got, tol, quantization)
+    return rows
+
+
+def held_out_row(model, session, spec: C.GraphSpec, out_dir: Path, manifest: Manifest, quantization: str,
+                 text: str | None, max_tokens: int) -> DistanceRow:
+    """Held-out text teacher-forced through HF's own forward and the base graph (one prefill each)."""
+    vocab = spec.output(C.LOGITS).dims[-1]
+    ids, what = held_out_ids(out_dir, manifest, text, max_tokens, vocab)
+    ids_t = torch.from_numpy(ids)[None]  # (1, S)
+    s = ids_t.shape[1]
+    with torch.no_grad():
+        ref = model(ids_t).logits[0].float().numpy()  # (S, V)
+    k0 = spec.input(C.past_key(0))
+    n_layers = sum(1 for t in spec.inputs if t.name.endswith(".key"))
+    empty = [torch.zeros(1, k0.dims[1], 0, k0.dims[3]) for _ in range(2 * n_layers)]
+    got = run_case(session, spec, [ids_t, torch.arange(s)[None], causal_bool_mask(1, s, 0), *empty])[0][0]
+    return distance_row("base", quantization, what, ids, ref, got.astype(np.float32))
 
 
 def kv_update_rows(role: str, session, spec: C.GraphSpec, tol: Tolerance) -> list[Row]:
@@ -356,11 +363,29 @@ def _session(make_session, path: Path, provider: str, dtype: str):
         ) from None
 
 
-def compare(model_dir, out_dir, provider: str = "cpu", drafter=None) -> CompareReport:
+def compare(model_dir, out_dir, provider: str = "cpu", drafter=None, text: str | None = None,
+            distance: bool = False) -> CompareReport:
     """Load the PyTorch model from ``model_dir`` and compare it with the export in ``out_dir``."""
     from exporter.loading import load_model
 
-    return compare_model(load_model(model_dir, drafter=drafter), out_dir, provider=provider)
+    manifest = Manifest.read(out_dir)  # bad out_dir: one line before the model loads
+    return compare_model(load_model(model_dir, drafter=drafter), out_dir, provider=provider, manifest=manifest,
+                         text=text, distance=distance)
+
+
+def _read_text(path: str | None) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--text {p} is not a file; pass a UTF-8 text file of held-out text")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--text {p} is not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 file") from None
+    if not text.strip():
+        raise UserError(f"--text {p} is empty; pass a file with at least two tokens of held-out text")
+    return text
 
 
 def _main_e2e(args) -> int:
@@ -368,10 +393,13 @@ def _main_e2e(args) -> int:
     from exporter import e2e
     from exporter.loading import load_model
 
+    e2e.check_prompts(args.prompt)  # before anything loads
     model = load_model(args.model_dir, drafter=args.drafter)
     decoder = graphs.load(args.out_dir, provider=args.provider)
     prompts = args.prompt or e2e.default_prompts(decoder)
-    rows = e2e.compare_tokens(model, decoder, prompts, max_new_tokens=args.max_new_tokens)
+    quant = graph_quantization(Path(args.out_dir), decoder.manifest)
+    rows = e2e.compare_tokens(model, decoder, prompts, max_new_tokens=args.max_new_tokens,
+                              quantized=quant.get("base", "none") != "none")
     print(e2e.table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(e2e.to_json(rows), indent=2) + "\n")
@@ -391,13 +419,17 @@ def main(argv=None) -> int:
                     help="end to end: greedy tokens of PyTorch vs the runtime (speculative and autoregressive)")
     ap.add_argument("--prompt", action="append", help="prompt for --e2e (repeatable; default: built-in prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt for --e2e")
+    ap.add_argument("--text", help="held-out text file for the distance rows (quantized graphs; default: built-in)")
+    ap.add_argument("--distance", action="store_true",
+                    help="also score held-out text for float graphs (top-1, mean KL, perplexity vs PyTorch)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_intermixed_args(argv)
 
     def body():
         if args.e2e:
             return _main_e2e(args)
-        report = compare(args.model_dir, args.out_dir, provider=args.provider, drafter=args.drafter)
+        report = compare(args.model_dir, args.out_dir, provider=args.provider, drafter=args.drafter,
+                         text=_read_text(args.text), distance=args.distance)
         print(report.table())
         if args.json:
             Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")

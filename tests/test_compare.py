@@ -15,7 +15,9 @@ from exporter.compare import TOLERANCES, Tolerance, compare_arrays
 from exporter.compare import main as compare_main
 from graphs.manifest import Manifest
 
-BASE_CASES = {"prefill", "decode", "tree_b2_past6", "batch2_holes"}
+TRACED_CASES = {"prefill", "decode", "tree_b2_past6", "batch2_holes"}
+HF_CASES = {"hf_prefill_b2", "hf_step1_b2", "hf_step2_b2", "hf_step3_b2", "hf_chunk4_b2"}  # HF's own forward
+BASE_CASES = TRACED_CASES | HF_CASES
 DRAFT_CASES = {"medusa": {"heads_b2_tree"}, "eagle": {"context_b2", "tree_b2_past5"},
                "eagle3": {"context_b2", "tree_b2_past5"}}
 
@@ -32,17 +34,23 @@ def run_compare(capsys, *args) -> tuple[int, str, str]:
 def assert_report_json(report: dict, kind: str) -> None:
     assert report["ok"] is True and report["dtype"] == "float32" and report["device"] == "cpu"
     assert report["tolerance"] == {"atol": 1e-4, "rtol": 1e-4, "top1": 0.99}
+    assert set(report["tolerances"]) == set(report["quantization"]) and report["parity"] is True
+    assert set(report["quantization"].values()) == {"none"} and report["distance"] == []
     rows = report["rows"]
     cases = {(r["graph"], r["case"]) for r in rows}
     assert {c for g, c in cases if g == "base"} == BASE_CASES
     assert {c for g, c in cases if g == "draft"} == DRAFT_CASES[kind]
     keys = {"graph", "case", "output", "shape", "max_abs", "max_rel", "where", "torch_value", "onnx_value",
-            "top1", "limit", "ok"}
+            "top1", "limit", "ok", "check", "kl", "top1_decided", "error"}
+    assert {r["check"] for r in rows} == {"parity"}
     assert all(set(r) == keys for r in rows)
     logits = [r for r in rows if r["output"] == "logits"]
     assert logits and all(r["top1"] == 1.0 and r["max_abs"] < 1e-4 for r in logits)
     base_outputs = {r["output"] for r in rows if r["graph"] == "base"}
     assert {"logits", "hidden_states", "present.0.key", "present.3.value"} <= base_outputs
+    hf_outputs = {r["output"] for r in rows if r["case"] in HF_CASES}
+    assert {"logits", "hidden_states", "present.0.key", "present.3.value"} <= hf_outputs
+    assert ("aux_hidden_states" in hf_outputs) == (kind == "eagle3")
 
 
 def test_cli_subprocess_writes_json(exported, tiny_model_dir, tmp_path):
@@ -52,7 +60,7 @@ def test_cli_subprocess_writes_json(exported, tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert "PASS (float32 on cpu" in proc.stdout
-    for word in ("max_abs", "max_rel", "top1", "where", "tree_b2_past6", "heads_b2_tree"):
+    for word in ("max_abs", "max_rel", "top1", "where", "tree_b2_past6", "heads_b2_tree", "hf_step1_b2"):
         assert word in proc.stdout
     assert_report_json(json.loads(report_file.read_text()), "medusa")
 

@@ -147,7 +147,7 @@ def test_compare_passes_at_float32(cli_exports, case):
     assert report.ok, report.table()
     assert report.dtype == "float32"
     logits = [r for r in report.rows if r.output == C.LOGITS]
-    assert {r.case for r in logits if r.graph == "base"} == {"prefill", "decode", "tree_b2_past6", "batch2_holes"}
+    assert {r.case for r in logits if r.graph == "base"} >= {"prefill", "decode", "tree_b2_past6", "batch2_holes"}
     assert any(r.graph == "draft" for r in logits)
     worst = max(logits, key=lambda r: r.max_abs)
     assert worst.max_abs < LOGITS_ATOL, f"{worst.graph}/{worst.case} logits max abs {worst.max_abs:.3g}"
