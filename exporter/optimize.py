@@ -79,8 +79,12 @@ class OptimizeOptions:
 
 def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=print) -> dict:
     """Run the passes on the graph file ``src``; write ``dst`` (+ ``dst.data``). Returns its record."""
+    import logging
+
     from exporter.passes import graphio
 
+    for name in ("onnxscript", "onnx_ir"):  # their INFO lines drown the per-pass summary
+        logging.getLogger(name).setLevel(logging.WARNING)
     proto = graphio.load_graph(src)
     external = graphio.has_external_data(proto)
     before = graphio.count_ops(proto)
@@ -245,7 +249,7 @@ def _validate(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts: O
             continue
         try:
             rows = graph_parity(out_dir / manifest.graphs[role].file, tmp / specs[role].file, manifest.graphs[role],
-                                specs[role], atol, rtol, vocab=manifest.source["vocab_size"])
+                                specs[role], atol, rtol, vocab=manifest.source["vocab_size"], strict=strict)
         except Exception as e:  # a provider without kernels for this dtype (float16 on the CPU EP)
             if not opts.use_float16 or "NOT_IMPLEMENTED" not in str(e):
                 raise UserError(f"optimized {role} graph does not run on ONNX Runtime's CPU EP "
