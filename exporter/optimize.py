@@ -99,17 +99,20 @@ def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=p
         return ops
 
     ops = before
-    if opts.fuse:
+    candidates = _attention_candidates(proto) if opts.fuse else 0
+    if candidates:
         t0 = time.perf_counter()
-        candidates = _attention_candidates(proto)
-        if candidates:
-            proto, n_attn = _fuse_attention(proto, src.parent)
-            if n_attn != candidates:
-                raise UserError(f"{role} graph {src.name}: {candidates - n_attn} of {candidates} attentions do not "
-                                f"match the traced eager pattern (a graph from another exporter?); the export is "
-                                f"untouched: optimize without fusion (--no-fuse)")
-            fused["Attention"] = n_attn
-            ops = step("attention", f"{n_attn} eager attentions -> Attention (opset 23)", t0, ops)
+        proto, n_attn = _rewire(proto, src.parent, attention=True)
+        if n_attn != candidates:
+            raise UserError(f"{role} graph {src.name}: {candidates - n_attn} of {candidates} attentions do not "
+                            f"match the traced eager pattern (a graph from another exporter?); the export is "
+                            f"untouched: optimize without fusion (--no-fuse)")
+        fused["Attention"] = n_attn
+        ops = step("attention", f"{n_attn} eager attentions -> Attention (opset 23)", t0, ops)
+    else:  # constant folding and Identity removal only (the quantizer skips weights behind an Identity)
+        proto, _ = _rewire(proto, src.parent, attention=False)
+        ops = graphio.count_ops(proto)
+    if opts.fuse:
         from exporter.passes.norms import fuse_norms
 
         t0 = time.perf_counter()
@@ -164,9 +167,10 @@ def _attention_candidates(proto) -> int:
                and any(c in ("MatMul", "Cast") for c in consumers.get(n.output[0], [])))
 
 
-def _fuse_attention(proto, base_dir: Path):
-    """Opset 17 -> 23 (onnx's version converter), then eager attention -> ``Attention``."""
-    import onnx
+def _rewire(proto, base_dir: Path, attention: bool):
+    """onnxscript's optimizer (constant folding, no-op Cast/Identity removal); with ``attention``,
+    first opset 17 -> 23 (onnx's version converter), then eager attention -> ``Attention``.
+    Weights stay on disk. Returns (model, attentions fused)."""
     import onnx_ir as ir
     from onnx import version_converter
     from onnxscript.optimizer import optimize
@@ -174,18 +178,16 @@ def _fuse_attention(proto, base_dir: Path):
     from exporter.passes.attention import ATTENTION_OPSET, fuse_attention
 
     opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-    if opset < ATTENTION_OPSET:
+    if attention and opset < ATTENTION_OPSET:
         proto = version_converter.convert_version(proto, ATTENTION_OPSET)
     model = ir.from_proto(proto)
     ir.external_data.set_base_dir(model.graph, base_dir)
-    optimize(model)  # fold constants, drop no-op casts: the pattern is matched on a clean graph
-    n = fuse_attention(model)
-    optimize(model)
-    out = ir.to_proto(model)
-    if any(o.domain in ("", "ai.onnx") for o in out.opset_import):
-        return out, n
-    out.opset_import.append(onnx.helper.make_opsetid("", ATTENTION_OPSET))
-    return out, n
+    optimize(model)  # the pattern is matched on a clean graph
+    n = 0
+    if attention:
+        n = fuse_attention(model)
+        optimize(model)
+    return ir.to_proto(model), n
 
 
 # ----------------------------------------------------------------------------- the export

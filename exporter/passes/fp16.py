@@ -27,5 +27,9 @@ def to_float16(proto: onnx.ModelProto) -> onnx.ModelProto:
         if node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
             node.attribute.append(helper.make_attribute("softmax_precision", TensorProto.FLOAT))
     keep = [o.name for o in proto.graph.output if o.name == C.TOPK_LOGPROBS]
+    # The converter needs ONNX shape inference to place its Casts around float32 islands (an unfused
+    # RMSNorm); ONNX's inference does not know ORT's contrib ops, present only once norms are fused,
+    # and then every float32 island is one fused node with known I/O types.
+    contrib = any(n.domain == "com.microsoft" for n in proto.graph.node)
     return convert_float_to_float16(proto, keep_io_types=keep, op_block_list=DEFAULT_OP_BLOCK_LIST + KEEP_FLOAT32,
-                                    disable_shape_infer=True)
+                                    disable_shape_infer=contrib)

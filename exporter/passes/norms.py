@@ -24,7 +24,8 @@ import onnx
 
 
 def fuse_norms(proto: onnx.ModelProto) -> dict[str, int]:
-    """Fuse in place (run after onnxscript's optimizer removed the trace's no-op float32 Casts); returns {"SimplifiedLayerNormalization": n, "SkipSimplifiedLayerNormalization": m}."""
+    """Fuse in place; returns {op type: count}. Run after onnxscript's optimizer has removed the
+    trace's no-op float32 Casts around each norm."""
     from onnxruntime.transformers.fusion_simplified_layernorm import FusionSimplifiedLayerNormalization
     from onnxruntime.transformers.fusion_skiplayernorm import FusionSkipLayerNormalization
     from onnxruntime.transformers.onnx_model import OnnxModel
