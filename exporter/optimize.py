@@ -277,18 +277,13 @@ def _validate(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts: O
 
 def _time_gain(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, log) -> dict:
     """Median latency of the raw and the rewritten base graph at 1 and 8 tokens over a 64-token past."""
-    import onnxruntime as ort
-
     from exporter.passes.parity import Case, random_feed
-
-    def session(path):
-        o = ort.SessionOptions()
-        o.log_severity_level = 3
-        return ort.InferenceSession(str(path), o, providers=["CPUExecutionProvider"])
+    from graphs.sessions import make_session
 
     gains = {}
     try:
-        raw, new = session(out_dir / manifest.graphs["base"].file), session(tmp / specs["base"].file)
+        raw, new = (make_session(out_dir / manifest.graphs["base"].file, "cpu"),
+                    make_session(tmp / specs["base"].file, "cpu"))
     except Exception:
         return {"skipped": "the rewritten base does not run on the CPU EP"}
     for t in (1, 8):

@@ -92,15 +92,9 @@ def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec,
     errors and top-1 agreement are reported. ``topk_ids`` is compared by agreement only (equal
     scores may come out in either order).
     """
-    import onnxruntime as ort
+    from graphs.sessions import make_session  # honours a process-wide thread pool (exporter.bench)
 
-    def session(path):
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.log_severity_level = 3
-        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-    a, b = session(raw), session(new)
+    a, b = make_session(raw, "cpu", threads), make_session(new, "cpu", threads)
     rows = []
     for i, case in enumerate(CASES):
         feed = random_feed(spec, case, seed=i, vocab=vocab)
