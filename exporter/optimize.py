@@ -5,8 +5,9 @@
 The stage between export and run (DESIGN.md). Per traced graph (base, draft):
 
     fuse       eager attention -> ONNX ``Attention`` (opset 23: any mask, grouped K/V; never
-               ``GroupQueryAttention``, which ignores tree masks), RMSNorm -> SimplifiedLayerNorm,
-               residual Add + RMSNorm -> SkipSimplifiedLayerNorm          (exporter.passes.*)
+               ``GroupQueryAttention``, which ignores tree masks), rotary -> ONNX ``RotaryEmbedding``,
+               RMSNorm -> SimplifiedLayerNorm, residual Add + RMSNorm -> SkipSimplifiedLayerNorm
+               (exporter.passes.*)
     quantize   MatMul weights -> ``MatMulNBits`` (4 or 8 bits, block 32; ORT's quantizer)
     float16    --target cuda: ORT's float16 converter, norms and softmax kept float32
 
@@ -102,15 +103,19 @@ def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=p
     candidates = _attention_candidates(proto) if opts.fuse else 0
     if candidates:
         t0 = time.perf_counter()
-        proto, n_attn = _rewire(proto, src.parent, attention=True)
+        proto, n_attn, n_rot = _rewire(proto, src.parent, attention=True)
         if n_attn != candidates:
             raise UserError(f"{role} graph {src.name}: {candidates - n_attn} of {candidates} attentions do not "
                             f"match the traced eager pattern (a graph from another exporter?); the export is "
                             f"untouched: optimize without fusion (--no-fuse)")
         fused["Attention"] = n_attn
-        ops = step("attention", f"{n_attn} eager attentions -> Attention (opset 23)", t0, ops)
+        fused["RotaryEmbedding"] = n_rot
+        ops = step("attention", f"{n_attn} eager attentions -> Attention, {n_rot} rotary -> RotaryEmbedding",
+                   t0, ops)
+        if n_rot:
+            passes.append("rotary")
     else:  # constant folding and Identity removal only (the quantizer skips weights behind an Identity)
-        proto, _ = _rewire(proto, src.parent, attention=False)
+        proto, _, _ = _rewire(proto, src.parent, attention=False)
         ops = graphio.count_ops(proto)
     if opts.fuse:
         from exporter.passes.norms import fuse_norms
@@ -169,8 +174,8 @@ def _attention_candidates(proto) -> int:
 
 def _rewire(proto, base_dir: Path, attention: bool):
     """onnxscript's optimizer (constant folding, no-op Cast/Identity removal); with ``attention``,
-    first opset 17 -> 23 (onnx's version converter), then eager attention -> ``Attention``.
-    Weights stay on disk. Returns (model, attentions fused)."""
+    first opset 17 -> 23 (onnx's version converter), then eager attention -> ``Attention`` and
+    rotary -> ``RotaryEmbedding``. Weights stay on disk. Returns (model, attentions, rotaries)."""
     import onnx_ir as ir
     from onnx import version_converter
     from onnxscript.optimizer import optimize
@@ -183,11 +188,14 @@ def _rewire(proto, base_dir: Path, attention: bool):
     model = ir.from_proto(proto)
     ir.external_data.set_base_dir(model.graph, base_dir)
     optimize(model)  # the pattern is matched on a clean graph
-    n = 0
+    n = rotary = 0
     if attention:
+        from exporter.passes.rotary import fuse_rotary
+
         n = fuse_attention(model)
+        rotary = fuse_rotary(model)
         optimize(model)
-    return ir.to_proto(model), n
+    return ir.to_proto(model), n, rotary
 
 
 # ----------------------------------------------------------------------------- the export

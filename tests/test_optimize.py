@@ -63,16 +63,17 @@ def test_fusions_replace_attention_and_norms(exported, optimized, kind):
     raw_ops, ops = _ops(raw / "base.onnx"), _ops(out / "base.onnx")
     assert raw_ops.get("Softmax") == layers and "Attention" not in raw_ops
     assert ops.get("Attention") == layers and "Softmax" not in ops
+    assert ops.get("RotaryEmbedding") == 2 * layers and "Neg" not in ops  # query and key of every layer
     assert "GroupQueryAttention" not in ops and "MultiHeadAttention" not in ops  # never the mask-ignoring kernels
     assert ops.get("SimplifiedLayerNormalization", 0) + ops.get("SkipSimplifiedLayerNormalization", 0) == 2 * layers + 1
     assert ops.get("SkipSimplifiedLayerNormalization", 0) >= layers
     assert sum(ops.values()) < 0.5 * sum(raw_ops.values())
     rec = m.optimization["base"]
-    assert rec["passes"] == ["attention", "norms"] and rec["target"] == "cpu" and rec["dtype"] == "float32"
+    assert rec["passes"] == ["attention", "rotary", "norms"] and rec["target"] == "cpu" and rec["dtype"] == "float32"
     assert rec["quantization"] is None and rec["fused"]["Attention"] == layers and rec["opset"] == 23
     if kind == "eagle3":  # the drafter's own decoder layer is fused too
         assert _ops(out / "draft.onnx").get("Attention") == m.drafter["num_layers"]
-        assert m.optimization["draft"]["passes"] == ["attention", "norms"]
+        assert m.optimization["draft"]["passes"] == ["attention", "rotary", "norms"]
 
 
 @pytest.mark.parametrize("combo", [
