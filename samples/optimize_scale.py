@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=["tinyllama", "medium"], default="tinyllama")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the real shape")
     ap.add_argument("--variants", default="raw,fused,int4")
+    ap.add_argument("--medusa", action="store_true", help="add an (untrained) 2-head Medusa drafter and measure "
+                    "end-to-end tokens/s too; its acceptance is not a trained drafter's")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
@@ -68,11 +71,16 @@ def main(argv=None) -> int:
         n_layers = model.config.num_hidden_layers
         params = sum(p.numel() for p in model.parameters())
         print(f"{args.shape} base, {n_layers} layers, {params / 1e6:.0f}M parameters", flush=True)
+        if args.medusa:
+            from exporter.speculative import convert
+
+            convert(model, [("medusa", {"medusa_num_heads": 2, "medusa_num_layers": 1})])
         enable_huggingface_checkpointing()
         model.save_pretrained(work / "model")
         del model
         export(work / "model", work / "onnx", validate=False, overwrite=True)
-        report = variants.run_variants(work / "onnx", args.variants.split(","), e2e=False, threads=args.threads)
+        report = variants.run_variants(work / "onnx", args.variants.split(","), e2e=args.medusa, threads=args.threads,
+                                       repeats=1, prompts=3, max_new_tokens=args.max_new_tokens)
         report.update(shape=args.shape, layers=n_layers, parameters=params, seconds_total=time.perf_counter() - t0)
         if args.json:
             args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -271,3 +271,13 @@ def test_runtime_warns_when_graphs_target_another_provider(optimized):
         graphs.load(out, provider="cpu")  # once, not per load
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "optimized for cuda" in msgs[0]
+
+
+def test_export_runs_optimize_as_a_step(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    r = run_module("exporter.export", tiny_model_dir("medusa"), out, "--optimize", "--quantize", "int8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[base] int8" in r.stdout and "parity" in r.stdout  # the per-pass summary is printed
+    m = Manifest.read(out)
+    assert m.optimization["base"]["quantization"]["bits"] == 8
+    assert m.optimization["base"]["passes"] == ["attention", "rotary", "norms", "int8"]
