@@ -33,6 +33,9 @@ VARIANTS: dict[str, dict] = {
     "fused": {"quantize": "none"},
     "int8": {"quantize": "int8"},
     "int4": {"quantize": "int4"},
+    # accuracy level 4 (int8 activations): faster, but not row-consistent (exporter.optimize)
+    "int8-fast": {"quantize": "int8", "accuracy_level": 4},
+    "int4-fast": {"quantize": "int4", "accuracy_level": 4},
 }
 TREE_TOKENS = (1, 8, 16, 32)
 

@@ -114,3 +114,39 @@ def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec,
             ok = finite and (not strict or err <= limit)
             rows.append(ParityRow(case.name, t.name, err, limit, top1, ok))
     return rows
+
+
+def incremental_consistency(path: Path, spec: C.GraphSpec, vocab: int, past: int = 20, threads: int = 1,
+                            seed: int = 7) -> float:
+    """Max |logits| difference between a token computed alone (S=1, the autoregressive step) and the
+    same token as row 0 of a 4-token call (a verified tree's first row), over the same past, which
+    the graph itself computed from a prefill (random past values do not show the effect below).
+
+    Greedy speculative decoding equals greedy autoregressive decoding only if a graph gives the same
+    logits to the same row whatever the number of rows in the call. Float kernels differ by ~1e-6;
+    ``MatMulNBits`` with ``accuracy_level=4`` (int8 activations) differed by ~1e-2 on ORT 1.32's CPU
+    EP for a 19M-parameter Llama, enough to flip greedy choices.
+    """
+    from graphs.sessions import make_session
+
+    s = make_session(path, "cpu", threads)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, past + 4).astype(np.int64)
+    kv = spec.input(C.past_key(0)).dims
+    past_names = [t.name for t in spec.inputs if t.name.startswith("past_key_values.")]
+    presents = [t.name for t in spec.outputs if t.name.startswith("present.")]
+
+    def run(tokens, positions, mask, pasts):
+        feed = {C.INPUT_IDS: tokens[None], C.POSITION_IDS: positions[None], C.ATTENTION_MASK: mask[None, None]}
+        feed.update(zip(past_names, pasts))
+        extra = {t.name: np.zeros([1 if d == C.BATCH else 0 if isinstance(d, str) else d for d in t.dims], t.dtype)
+                 for t in spec.inputs if t.name not in feed}
+        out = s.run([C.LOGITS, *presents], {**feed, **extra})
+        return out[0][0], out[1:]
+
+    empty = [np.zeros((1, kv[1], 0, kv[3]), spec.input(n).dtype) for n in past_names]
+    _, pasts = run(ids[:past], np.arange(past), np.tril(np.ones((past, past), bool)), empty)
+    one, _ = run(ids[past : past + 1], np.array([past]), np.ones((1, past + 1), bool), pasts)
+    mask = np.concatenate([np.ones((4, past), bool), np.tril(np.ones((4, 4), bool))], axis=1)
+    many, _ = run(ids[past : past + 4], past + np.arange(4), mask, pasts)
+    return float(np.abs(many[0].astype(np.float64) - one[0]).max())
