@@ -192,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also measure speed against tree size")
     ap.add_argument("--json", help="write the report as JSON here")
     ap.add_argument("--png", help="draw the acceptance histogram (and the sweep) here")
+    ap.add_argument("--variants", help="compare optimized variants of a raw export: raw,fused,int8,int4 "
+                    "(exporter.variants; verify latency at 1/8/16/32 tree tokens and tokens/s)")
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
 
@@ -199,6 +201,15 @@ def main(argv=None) -> int:
         from graphs.sessions import use_shared_thread_pool
 
         use_shared_thread_pool(args.threads)  # one ORT pool for base, draft and K/V sessions
+        if args.variants:
+            from exporter import variants
+
+            report = variants.run_variants(args.out_dir, args.variants.split(","), max_new_tokens=args.max_new_tokens,
+                                           repeats=args.repeats, prompts=args.prompts, threads=args.threads,
+                                           sweep=args.sweep)
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n") if args.json else None
+            variants.draw(report, Path(args.png)) if args.png else None
+            return 0
         tree = None
         if args.tree:
             tree = json.loads(Path(args.tree).read_text())

@@ -338,6 +338,10 @@ def main(argv=None) -> int:
                     help="replace out_dir whatever it holds (deletes it); must repeat out_dir")
     ap.add_argument("--opset", type=int, default=OPSET)
     ap.add_argument("--no-validate", action="store_true", help="skip the PyTorch-vs-ONNX check (not advised)")
+    ap.add_argument("--optimize", action="store_true", help="then run python -m exporter.optimize on the export")
+    from exporter.optimize import add_arguments, options_from_args
+
+    add_arguments(ap)  # --target, --quantize, ... (used with --optimize)
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_intermixed_args(argv)  # options may come between model_dir and out_dir
 
@@ -362,6 +366,10 @@ def main(argv=None) -> int:
                           overwrite_non_export=force is not None)
         graphs = ", ".join(manifest.graphs[r].file for r in TRACED_ROLES if r in manifest.graphs)
         print(f"exported {graphs} to {out_dir} in {time.perf_counter() - t0:.1f} s")
+        if args.optimize:  # a step of its own: the export above is complete and valid whatever happens here
+            from exporter.optimize import optimize_export
+
+            optimize_export(out_dir, **options_from_args(args))
         return 0
 
     return run_cli(body, debug=args.debug)

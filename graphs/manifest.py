@@ -35,6 +35,8 @@ class Manifest:
     ``kind`` ("medusa" | "eagle") and its sizes and config. ``tree``: the default tree
     (``{"medusa_paths": [...]}`` or ``{"eagle": {"topk", "depth", "total_tokens"}}``).
     ``generation``: eos/bos/pad token ids. ``files``: relative path -> sha256.
+    ``optimization``: role -> what ``python -m exporter.optimize`` did to that graph (passes, target
+    provider, dtype, quantization); empty for the raw trace.
     """
 
     source: dict
@@ -47,6 +49,7 @@ class Manifest:
     versions: dict = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
     validation: dict = field(default_factory=dict)
+    optimization: dict[str, dict] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict:
@@ -61,6 +64,7 @@ class Manifest:
             "opset": self.opset,
             "versions": self.versions,
             "validation": self.validation,
+            "optimization": self.optimization,
             "files": self.files,
         }
 
@@ -85,6 +89,7 @@ class Manifest:
             versions=d.get("versions", {}),
             files=d.get("files", {}),
             validation=d.get("validation", {}),
+            optimization=d.get("optimization", {}),
         )
 
     def write(self, out_dir: Path) -> Path:

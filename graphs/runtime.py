@@ -35,7 +35,7 @@ from graphs.limits import check_eagle_tree, check_medusa_tree
 from graphs.manifest import Manifest
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
 from graphs.schema import check_session, load_graph
-from graphs.sessions import make_session, resolve_provider
+from graphs.sessions import make_session, resolve_provider, warn_if_other_target
 from graphs.trees import (
     DEFAULT_EAGLE_TREE,
     DynamicTreeBuilder,
@@ -65,6 +65,7 @@ class Decoder:
         self.manifest = Manifest.read(self.out_dir, verify=verify)
         self.provider = resolve_provider(provider)
         m = self.manifest
+        warn_if_other_target(m.optimization, self.provider, str(out_dir))
         dtype = m.graphs["base"].output(C.LOGITS).dtype
         if dtype not in ("float32", "float16"):
             raise InputError(

@@ -89,3 +89,26 @@ def make_session(
         else ["CPUExecutionProvider"]
     )
     return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+
+
+_WARNED_TARGETS: set[tuple[str, str]] = set()
+
+
+def warn_if_other_target(optimization: dict, provider: str, out_dir: str = "") -> bool:
+    """Warn (once per target/provider pair) when graphs optimized for one provider run on another.
+
+    ``optimization`` is the manifest's role -> record of ``python -m exporter.optimize``; a
+    float16 CUDA build on the CPU EP, or int4 CPU graphs on CUDA, run but not at their best.
+    Returns True when it warned.
+    """
+    import warnings
+
+    targets = sorted({r.get("target") for r in optimization.values() if r.get("target")})
+    key = (",".join(targets), provider)
+    if not targets or provider in targets or key in _WARNED_TARGETS:
+        return False
+    _WARNED_TARGETS.add(key)
+    warnings.warn(f"{out_dir or 'these graphs'} were optimized for {', '.join(targets)} but run on {provider}: "
+                  f"expect lower speed; optimize a raw export with --target {provider} for this provider",
+                  RuntimeWarning, stacklevel=3)
+    return True

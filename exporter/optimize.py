@@ -1,0 +1,466 @@
+"""Optimize an export in place: tree-safe fusions, float16 for GPUs, int4/int8 weight-only graphs.
+
+    python -m exporter.optimize out_dir [--target cpu|cuda] [--quantize none|int8|int4] [--no-fuse]
+
+The stage between export and run (DESIGN.md). Per traced graph (base, draft):
+
+    fuse       eager attention -> ONNX ``Attention`` (opset 23: any mask, grouped K/V; never
+               ``GroupQueryAttention``, which ignores tree masks), rotary -> ONNX ``RotaryEmbedding``,
+               RMSNorm -> SimplifiedLayerNorm, residual Add + RMSNorm -> SkipSimplifiedLayerNorm
+               (exporter.passes.*)
+    quantize   MatMul weights -> ``MatMulNBits`` (4 or 8 bits, block 32; ORT's quantizer)
+    float16    --target cuda: ORT's float16 converter, norms and softmax kept float32
+
+then checks every rewritten graph against the raw one on random non-causal tree masks, batch 2
+with holes in the past, a decode with a past and a prefill (exporter.passes.parity), records what
+was done in ``manifest.json`` (``optimization``: role -> passes, target, dtype, quantization) and
+rehashes every file. The export is rewritten in a temporary directory beside it and swapped in
+only when all of that passed: a failure leaves it as it was. A quantized base is a new base:
+speculative decoding stays lossless relative to it, and its distance from the float model is
+what ``python -m exporter.compare`` reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from exporter.loading import UserError
+from graphs import contract as C
+from graphs.manifest import MANIFEST, ArtifactError, Manifest
+
+TARGETS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+QUANTIZE = {"none": 0, "int8": 8, "int4": 4}
+TRACED = ("base", "draft")  # graphs with weights and attention; kv_update graphs have neither
+
+
+@dataclass(frozen=True)
+class OptimizeOptions:
+    """What to do to each traced graph. Defaults: measured on a 2-core x86 CPU (README, "Optimize")."""
+
+    target: str = "cpu"  # the provider the graphs are tuned for: "cpu" | "cuda"
+    quantize: str = "none"  # weight-only: "none" | "int8" | "int4" (MatMulNBits)
+    fuse: bool = True  # attention + norms; exact under tree masks, 1.1-1.5x per step on CPU
+    float16: bool | None = None  # None: float16 for cuda, float32 for cpu
+    block_size: int = 32  # quantization block along K: 32 keeps int4 error small
+    # MatMulNBits compute type. 0 (float32 compute) by default: level 4 (int8 activations) is faster on
+    # CPUs but its one-row and many-row kernels round differently on ORT 1.32 (up to 1.2e-2 in logits,
+    # measured), so greedy speculative output may then differ from one-token greedy output.
+    accuracy_level: int = 0
+    validate: bool = True  # raw-vs-optimized parity on tree/batch/past cases before the swap
+    time_gain: bool = True  # time raw vs optimized base at 1 and 8 tokens for the summary
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise UserError(f"unknown --target {self.target!r}; accepted: {', '.join(TARGETS)}")
+        if self.quantize not in QUANTIZE:
+            raise UserError(f"unknown --quantize {self.quantize!r}; accepted: {', '.join(QUANTIZE)}")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise UserError(f"--accuracy-level {self.accuracy_level} must be 0-4 (0: float32 compute, 4: int8)")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise UserError(f"--block-size {self.block_size} must be a power of two >= 16 (32 advised)")
+        if not (self.fuse or self.quantize != "none" or self.use_float16):
+            raise UserError("nothing to do: --no-fuse without --quantize or float16; drop --no-fuse")
+
+    @property
+    def use_float16(self) -> bool:
+        return self.target == "cuda" if self.float16 is None else bool(self.float16)
+
+    @property
+    def level(self) -> int:
+        return self.accuracy_level
+
+
+# ----------------------------------------------------------------------------- one graph
+
+
+def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=print) -> dict:
+    """Run the passes on the graph file ``src``; write ``dst`` (+ ``dst.data``). Returns its record."""
+    import logging
+
+    from exporter.passes import graphio
+
+    for name in ("onnxscript", "onnx_ir"):  # their INFO lines drown the per-pass summary
+        logging.getLogger(name).setLevel(logging.WARNING)
+    proto = graphio.load_graph(src)
+    external = graphio.has_external_data(proto)
+    before = graphio.count_ops(proto)
+    passes, fused = [], {}
+
+    def step(name: str, detail: str, t0: float, ops_before: dict):
+        ops = graphio.count_ops(proto)
+        n0, n1 = sum(ops_before.values()), sum(ops.values())
+        log(f"  [{role}] {name:10} {detail:52} nodes {n0:5d} -> {n1:5d}  ({time.perf_counter() - t0:.1f} s)",
+            flush=True)
+        passes.append(name)
+        return ops
+
+    ops = before
+    candidates = _attention_candidates(proto) if opts.fuse else 0
+    if candidates:
+        t0 = time.perf_counter()
+        proto, n_attn, n_rot = _rewire(proto, src.parent, attention=True)
+        if n_attn != candidates:
+            raise UserError(f"{role} graph {src.name}: {candidates - n_attn} of {candidates} attentions do not "
+                            f"match the traced eager pattern (a graph from another exporter?); the export is "
+                            f"untouched: optimize without fusion (--no-fuse)")
+        fused["Attention"] = n_attn
+        fused["RotaryEmbedding"] = n_rot
+        ops = step("attention", f"{n_attn} eager attentions -> Attention, {n_rot} rotary -> RotaryEmbedding",
+                   t0, ops)
+        if n_rot:
+            passes.append("rotary")
+    else:  # constant folding and Identity removal only (the quantizer skips weights behind an Identity)
+        proto, _, _ = _rewire(proto, src.parent, attention=False)
+        ops = graphio.count_ops(proto)
+    if opts.fuse:
+        from exporter.passes.norms import fuse_norms
+
+        t0 = time.perf_counter()
+        norms = fuse_norms(proto)
+        fused.update(norms)
+        if norms:
+            ops = step("norms", ", ".join(f"{v} {k}" for k, v in norms.items()), t0, ops)
+    if opts.quantize != "none" or opts.use_float16:
+        graphio.load_weights(proto, src.parent)
+    quant = None
+    if opts.quantize != "none":
+        from exporter.passes.quantize import quantize_weights
+
+        t0 = time.perf_counter()
+        bits = QUANTIZE[opts.quantize]
+        proto, n_q = quantize_weights(proto, bits, opts.block_size, opts.level)
+        if n_q == 0:
+            raise UserError(f"{role} graph {src.name}: no MatMul with a constant weight to quantize")
+        quant = {"method": "MatMulNBits", "bits": bits, "block_size": opts.block_size, "symmetric": True,
+                 "accuracy_level": opts.level, "matmuls": n_q}
+        ops = step(opts.quantize, f"{n_q} MatMul -> MatMulNBits (bits={bits}, block={opts.block_size})", t0, ops)
+    if opts.use_float16:
+        from exporter.passes.fp16 import to_float16
+
+        t0 = time.perf_counter()
+        proto = to_float16(proto)
+        ops = step("float16", "float16 weights/activations; norms, softmax float32", t0, ops)
+    graphio.load_weights(proto, src.parent)  # weights left on disk by the rewiring passes
+    written = graphio.save_graph(proto, dst, external=external)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    return {
+        "passes": passes,
+        "target": opts.target,
+        "provider": TARGETS[opts.target],
+        "dtype": "float16" if opts.use_float16 else "float32",
+        "quantization": quant,
+        "fused": fused,
+        "nodes_before": sum(before.values()),
+        "nodes_after": sum(ops.values()),
+        "opset": opset,
+        "files": [p.name for p in written],
+    }
+
+
+def _attention_candidates(proto) -> int:
+    """Softmax nodes whose output feeds a MatMul: the eager attentions a graph should have fused."""
+    consumers: dict[str, list[str]] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node.op_type)
+    return sum(1 for n in proto.graph.node if n.op_type == "Softmax"
+               and any(c in ("MatMul", "Cast") for c in consumers.get(n.output[0], [])))
+
+
+def _rewire(proto, base_dir: Path, attention: bool):
+    """onnxscript's optimizer (constant folding, no-op Cast/Identity removal); with ``attention``,
+    first opset 17 -> 23 (onnx's version converter), then eager attention -> ``Attention`` and
+    rotary -> ``RotaryEmbedding``. Weights stay on disk. Returns (model, attentions, rotaries)."""
+    import onnx_ir as ir
+    from onnx import version_converter
+    from onnxscript.optimizer import optimize
+
+    from exporter.passes.attention import ATTENTION_OPSET, fuse_attention
+
+    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    if attention and opset < ATTENTION_OPSET:
+        proto = version_converter.convert_version(proto, ATTENTION_OPSET)
+    model = ir.from_proto(proto)
+    ir.external_data.set_base_dir(model.graph, base_dir)
+    optimize(model)  # the pattern is matched on a clean graph
+    n = rotary = 0
+    if attention:
+        from exporter.passes.rotary import fuse_rotary
+
+        n = fuse_attention(model)
+        rotary = fuse_rotary(model)
+        optimize(model)
+    return ir.to_proto(model), n, rotary
+
+
+# ----------------------------------------------------------------------------- the export
+
+
+def _specs_for(spec: C.GraphSpec, float16: bool) -> C.GraphSpec:
+    """The contract of the rewritten graph: float tensors become float16, except topk_logprobs."""
+    if not float16:
+        return spec
+
+    def conv(t: C.TensorSpec) -> C.TensorSpec:
+        if t.dtype == "float32" and t.name != C.TOPK_LOGPROBS:
+            return dataclasses.replace(t, dtype="float16")
+        return t
+
+    return C.GraphSpec(file=spec.file, inputs=tuple(map(conv, spec.inputs)), outputs=tuple(map(conv, spec.outputs)))
+
+
+def _graph_files(out_dir: Path, spec: C.GraphSpec) -> list[Path]:
+    p = out_dir / spec.file
+    return [p] + ([p.with_name(p.name + ".data")] if p.with_name(p.name + ".data").exists() else [])
+
+
+def _check_space(out_dir: Path, manifest: Manifest) -> None:
+    need = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
+    free = shutil.disk_usage(out_dir.parent).free
+    if free < need * 1.2:
+        raise UserError(f"not enough disk space beside {out_dir}: optimizing needs about {need * 1.2 / 1e9:.2f} GB "
+                        f"free for the rewritten copy, {free / 1e9:.2f} GB are; free some space and retry")
+
+
+def _copy_rest(out_dir: Path, tmp: Path, skip: set[Path]) -> None:
+    """Everything in the export that no pass rewrites (tokenizer, the user's own files) goes along."""
+    for f in sorted(out_dir.rglob("*")):
+        if f.is_file() and f not in skip and f.name != MANIFEST:
+            dst = tmp / f.relative_to(out_dir)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dst)
+
+
+def _swap(tmp: Path, out_dir: Path) -> None:
+    backup = out_dir.with_name(f".{out_dir.name}.raw-{os.getpid()}")
+    out_dir.rename(backup)
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        backup.rename(out_dir)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)  # the raw graphs this optimization replaced
+
+
+def _validate(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts: OptimizeOptions, log) -> dict:
+    """Raw vs rewritten graphs (CPU EP) on the parity cases; raises UserError on a mismatch."""
+    from exporter.passes.parity import graph_parity
+
+    strict = opts.quantize == "none"
+    atol = rtol = 2e-2 if opts.use_float16 else 1e-4  # exporter.compare's float32/float16 CPU tolerances
+    report = {"strict": strict, "atol": atol, "rtol": rtol, "graphs": {}}
+    for role in TRACED:
+        if role not in specs:
+            continue
+        try:
+            rows = graph_parity(out_dir / manifest.graphs[role].file, tmp / specs[role].file, manifest.graphs[role],
+                                specs[role], atol, rtol, vocab=manifest.source["vocab_size"], strict=strict)
+        except Exception as e:  # a provider without kernels for this dtype (float16 on the CPU EP)
+            if not opts.use_float16 or "NOT_IMPLEMENTED" not in str(e):
+                raise UserError(f"optimized {role} graph does not run on ONNX Runtime's CPU EP "
+                                f"({str(e).splitlines()[0][:200]}); the export is untouched") from None
+            report["graphs"][role] = {"skipped": "no float16 CPU kernels; check on the GPU with "
+                                                 "python -m exporter.compare --provider cuda"}
+            log(f"  [{role}] parity    skipped: the CPU EP has no float16 kernels for it (check on the GPU)")
+            continue
+        bad = [r for r in rows if not r.ok]
+        if role == "base":  # one row alone vs in a tree: what greedy speculative == autoregressive needs
+            from exporter.passes.parity import incremental_consistency
+
+            inc = max(incremental_consistency(tmp / specs[role].file, specs[role], manifest.source["vocab_size"],
+                                              seed=seed) for seed in range(8))
+            report["incremental_max_abs"] = inc
+            limit = 2e-2 if opts.use_float16 else 1e-4
+            log(f"  [{role}] rows      one token alone vs the same token in a 4-token call: max |logits diff| "
+                f"{inc:.1e} ({'ok' if inc <= limit else 'NOT consistent'})")
+            if inc > limit:
+                if opts.quantize == "none" or opts.level != 4:
+                    raise UserError(f"optimized base graph gives a token different logits alone and in a tree "
+                                    f"({inc:.3g} > {limit:g}); the export is untouched")
+                log("  warning: accuracy level 4: greedy speculative output may differ from one-token greedy "
+                    "output of these graphs; use the default --accuracy-level 0 for lossless decoding")
+        worst = max((r for r in rows if r.output in (C.LOGITS,)), key=lambda r: r.max_abs)
+        top1 = min((r.top1 for r in rows if r.top1 is not None), default=None)
+        report["graphs"][role] = {"max_abs_logits": worst.max_abs, "min_top1": top1, "ok": not bad,
+                                  "rows": [dataclasses.asdict(r) for r in rows]}
+        what = "vs raw" if strict else "vs raw float32 (quantized: reported, not gated)"
+        log(f"  [{role}] parity    {what}: max |logits diff| {worst.max_abs:.2e}, top-1 agreement "
+            f"{top1 if top1 is None else f'{top1:.3f}'}, {len(rows)} outputs x cases: {'ok' if not bad else 'FAIL'}")
+        if bad:
+            r = bad[0]
+            raise UserError(f"optimized {role} graph disagrees with the raw one: {r.output} in case {r.case} max abs "
+                            f"error {r.max_abs:.3g} > {r.limit:.3g}; the export is untouched")
+    return report
+
+
+def _time_gain(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, log) -> dict:
+    """Median latency of the raw and the rewritten base graph at 1 and 8 tokens over a 64-token past."""
+    from exporter.passes.parity import Case, random_feed
+    from graphs.sessions import make_session
+
+    gains = {}
+    try:
+        raw, new = (make_session(out_dir / manifest.graphs["base"].file, "cpu"),
+                    make_session(tmp / specs["base"].file, "cpu"))
+    except Exception:
+        return {"skipped": "the rewritten base does not run on the CPU EP"}
+    for t in (1, 8):
+        feed = random_feed(manifest.graphs["base"], Case("t", 1, t, 64), vocab=manifest.source["vocab_size"])
+        new_feed = {s.name: feed[s.name].astype(s.dtype) if s.dtype.startswith("float") else feed[s.name]
+                    for s in specs["base"].inputs}
+        ms = []
+        for s, f in ((raw, feed), (new, new_feed)):
+            s.run(None, f)
+            ts = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                s.run(None, f)
+                ts.append(time.perf_counter() - t0)
+            ms.append(float(np.median(ts)) * 1e3)
+        gains[f"{t}_tokens"] = {"raw_ms": ms[0], "optimized_ms": ms[1], "speedup": ms[0] / ms[1]}
+    log("  [base] gain      " + ", ".join(f"{k.replace('_', ' ')}: {v['raw_ms']:.2f} -> {v['optimized_ms']:.2f} ms "
+                                           f"({v['speedup']:.2f}x)" for k, v in gains.items())
+        + " (CPU EP, one rough timing)")
+    return gains
+
+
+def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", progress=print, **opts) -> dict:
+    """Optimize the export in ``out_dir`` in place; returns the summary (JSON-able).
+
+    ``opts``: the other fields of :class:`OptimizeOptions` (fuse, float16, block_size,
+    accuracy_level, validate, time_gain). Raises :class:`UserError` on bad input; the export is
+    then untouched.
+    """
+    unknown = set(opts) - {f.name for f in dataclasses.fields(OptimizeOptions)}
+    if unknown:
+        raise UserError(f"unknown option(s) {sorted(unknown)}; accepted: "
+                        f"{', '.join(f.name for f in dataclasses.fields(OptimizeOptions))}")
+    options = OptimizeOptions(target=target, quantize=quantize, **opts)
+    log = progress or (lambda *a, **k: None)
+    out_dir = Path(out_dir).absolute()
+    try:
+        manifest = Manifest.read(out_dir)
+    except ArtifactError as e:
+        raise UserError(str(e)) from None
+    if manifest.optimization:
+        done = ", ".join(f"{r}: {'+'.join(v.get('passes', []))}" for r, v in manifest.optimization.items())
+        raise UserError(f"{out_dir} is already optimized ({done}); passes apply to the raw trace only: "
+                        f"re-export it (python -m exporter.export) and optimize that")
+    if manifest.source.get("dtype", "float32") != "float32":
+        raise UserError(f"{out_dir} holds {manifest.source.get('dtype')} graphs; optimize a float32 export "
+                        f"(float16 for CUDA is --target cuda)")
+    _check_space(out_dir, manifest)
+    t_start = time.perf_counter()
+    log(f"optimize {out_dir}: target {options.target}, quantize {options.quantize}, "
+        f"fuse {options.fuse}, dtype {'float16' if options.use_float16 else 'float32'}", flush=True)
+    specs = {role: _specs_for(spec, options.use_float16) for role, spec in manifest.graphs.items()}
+    rewritten = {p for role in specs for p in _graph_files(out_dir, manifest.graphs[role])
+                 if role in TRACED or options.use_float16}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.optimize-", dir=out_dir.parent))
+    try:
+        records = {}
+        for role in manifest.graphs:
+            if role in TRACED:
+                records[role] = optimize_graph(out_dir / manifest.graphs[role].file, tmp / specs[role].file, role,
+                                               options, log)
+            elif options.use_float16:  # the K/V update graphs follow the cache dtype
+                from exporter.kvgraph import build_kv_update
+
+                build_kv_update(specs[role], tmp / specs[role].file, opset=manifest.opset)
+                records[role] = {"passes": ["float16"], "target": options.target,
+                                 "provider": TARGETS[options.target], "dtype": "float16", "quantization": None}
+        _copy_rest(out_dir, tmp, rewritten)
+        validation = _validate(out_dir, tmp, manifest, specs, options, log) if options.validate else {"skipped": True}
+        gain = _time_gain(out_dir, tmp, manifest, specs, log) if options.time_gain else {}
+        manifest.graphs = specs
+        manifest.optimization = records
+        manifest.opset = max([manifest.opset] + [r.get("opset") or 0 for r in records.values()])
+        manifest.versions = {**manifest.versions, **_versions()}
+        manifest.validation = {**manifest.validation, "optimize": {k: v for k, v in validation.items()
+                                                                   if k != "graphs"}
+                               | {"graphs": {r: {k: v for k, v in g.items() if k != "rows"}
+                                             for r, g in validation.get("graphs", {}).items()}}}
+        manifest.write(tmp)
+        _swap(tmp, out_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(f"disk full while writing the optimized graphs beside {out_dir}; the export is "
+                            f"untouched: free some space and retry") from None
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary = {
+        "out_dir": str(out_dir),
+        "options": dataclasses.asdict(options),
+        "graphs": records,
+        "validation": validation,
+        "gain": gain,
+        "seconds": time.perf_counter() - t_start,
+    }
+    log(f"optimized {out_dir} in {summary['seconds']:.1f} s: "
+        + "; ".join(f"{r} {'+'.join(v['passes'])}" for r, v in records.items()), flush=True)
+    return summary
+
+
+def _versions() -> dict:
+    import onnx_ir
+    import onnxruntime
+    import onnxscript
+
+    return {"onnxscript": onnxscript.__version__, "onnx_ir": onnx_ir.__version__,
+            "onnxruntime_optimize": onnxruntime.__version__}
+
+
+def main(argv=None) -> int:
+    import json
+
+    from exporter.cli import ArgumentParser, run_cli
+
+    ap = ArgumentParser(prog="python -m exporter.optimize", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", help="an export directory (holds manifest.json); rewritten in place")
+    add_arguments(ap)
+    ap.add_argument("--no-validate", action="store_true", help="skip the raw-vs-optimized parity check (not advised)")
+    ap.add_argument("--json", help="also write the summary as JSON to this file")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = ap.parse_intermixed_args(argv)
+
+    def body():
+        summary = optimize_export(args.out_dir, validate=not args.no_validate, **options_from_args(args))
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        return 0
+
+    return run_cli(body, debug=args.debug)
+
+
+def add_arguments(ap) -> None:
+    """The optimize options, shared with ``python -m exporter.export --optimize``."""
+    ap.add_argument("--target", default="cpu", help="provider to tune for: cpu (default) | cuda (float16)")
+    ap.add_argument("--quantize", default="none", help="weight-only: none (default) | int8 | int4")
+    ap.add_argument("--no-fuse", action="store_true", help="skip the attention and norm fusions")
+    ap.add_argument("--float32", action="store_true", help="keep float32 on --target cuda")
+    ap.add_argument("--block-size", type=int, default=32, help="quantization block size (default 32)")
+    ap.add_argument("--accuracy-level", type=int, default=0,
+                    help="MatMulNBits compute: 0 float32 (default, lossless speculative), 4 int8 (faster on CPUs)")
+
+
+def options_from_args(args) -> dict:
+    return {"target": args.target, "quantize": args.quantize, "fuse": not args.no_fuse,
+            "float16": False if args.float32 else None, "block_size": args.block_size,
+            "accuracy_level": args.accuracy_level}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Graph passes of ``python -m exporter.optimize`` (one idea per module)."""

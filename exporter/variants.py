@@ -1,0 +1,196 @@
+"""Raw float32 vs fused float32 vs int8 vs int4, side by side in one run (``bench --variants``).
+
+    python -m exporter.bench out_dir --variants raw,fused,int8,int4 [--json v.json] [--png v.png]
+
+Copies the (raw) export once per variant into a scratch directory beside it, optimizes each copy
+(:func:`exporter.optimize.optimize_export`), then measures, interleaving the variants so that
+machine noise hits them alike:
+
+- verify latency of the base graph at 1, 8, 16 and 32 tree tokens over a 256-token past (random
+  non-causal tree masks, batch 1; median of ``repeats`` x 10 runs), and each size's cost relative
+  to one token (the number that decides the best tree);
+- end to end, when the export has a drafter: tokens/s autoregressive and speculative with the
+  default tree (``exporter.bench.run_bench``: same prompts, greedy outputs checked equal), and with
+  ``sweep`` the best tree of ``exporter.bench``'s sweep per variant (trees re-tuned per precision).
+
+The scratch copies are deleted afterwards unless ``keep``. JSON-able report; :func:`draw` plots it.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from exporter.loading import UserError
+
+VARIANTS: dict[str, dict] = {
+    "raw": {},  # the export as traced
+    "fused": {"quantize": "none"},
+    "int8": {"quantize": "int8"},
+    "int4": {"quantize": "int4"},
+    # accuracy level 4 (int8 activations): faster, but not row-consistent (exporter.optimize)
+    "int8-fast": {"quantize": "int8", "accuracy_level": 4},
+    "int4-fast": {"quantize": "int4", "accuracy_level": 4},
+}
+TREE_TOKENS = (1, 8, 16, 32)
+
+
+def prepare(out_dir: Path, names: list[str], work: Path, log=print) -> dict[str, Path]:
+    """One optimized copy of ``out_dir`` per variant under ``work``."""
+    from exporter.optimize import optimize_export
+    from graphs.manifest import Manifest
+
+    if Manifest.read(out_dir, verify=False).optimization:
+        raise UserError(f"{out_dir} is already optimized; --variants needs the raw export (re-export it)")
+    dirs = {}
+    for name in names:
+        d = work / name
+        shutil.copytree(out_dir, d)
+        if name != "raw":
+            log(f"variant {name}:", flush=True)
+            optimize_export(d, progress=lambda *a, **k: None, time_gain=False, **VARIANTS[name])
+        dirs[name] = d
+    return dirs
+
+
+def verify_latency(dirs: dict[str, Path], tree_tokens=TREE_TOKENS, past: int = 256, repeats: int = 5,
+                   runs: int = 10, threads: int | None = None) -> dict:
+    """{variant: {tokens: median ms}} of the base graph, variants interleaved."""
+    from exporter.passes.parity import Case, random_feed
+    from graphs.manifest import Manifest
+    from graphs.sessions import make_session
+
+    sessions, feeds = {}, {}
+    for name, d in dirs.items():
+        m = Manifest.read(d, verify=False)
+        spec = m.graphs["base"]
+        sessions[name] = (make_session(d / spec.file, "cpu", threads), spec.output_names)
+        feeds[name] = {t: random_feed(spec, Case("t", 1, t, past), seed=t, vocab=m.source["vocab_size"])
+                       for t in tree_tokens}
+    times: dict[str, dict[int, list[float]]] = {n: {t: [] for t in tree_tokens} for n in dirs}
+    for name, (s, outs) in sessions.items():  # warm-up
+        s.run(outs, feeds[name][tree_tokens[0]])
+    for _ in range(repeats):
+        for t in tree_tokens:
+            for name, (s, outs) in sessions.items():
+                for _ in range(runs):
+                    t0 = time.perf_counter()
+                    s.run(outs, feeds[name][t])
+                    times[name][t].append(time.perf_counter() - t0)
+    out = {}
+    for name in dirs:
+        ms = {t: float(np.median(times[name][t])) * 1e3 for t in tree_tokens}
+        out[name] = {"ms": {str(t): v for t, v in ms.items()},
+                     "relative_to_1": {str(t): v / ms[tree_tokens[0]] for t, v in ms.items()}}
+    return out
+
+
+def end_to_end(dirs: dict[str, Path], max_new_tokens: int, repeats: int, prompts: int, threads: int | None,
+               sweep: bool, log=print) -> dict:
+    """tokens/s autoregressive and speculative per variant (exporter.bench's loop)."""
+    import graphs
+    from exporter.bench import _prompts, _tree_size, _tree_sizes, run_bench
+
+    out = {}
+    for name, d in dirs.items():
+        dec = graphs.load(d, provider="cpu", threads=threads)
+        ps = _prompts(dec, prompts)
+        dec.generate(ps[0], max_new_tokens=8)
+        r = run_bench(dec, ps, max_new_tokens, repeats)
+        row = {"autoregressive_tokens_per_s": r["autoregressive"]["tokens_per_s"],
+               "speculative_tokens_per_s": r["speculative"]["tokens_per_s"], "speedup": r["speedup"],
+               "mean_accepted_length": r["speculative"]["mean_accepted_length"],
+               "greedy_mismatches": r["greedy_mismatches"], "tree": dec.default_tree}
+        log(f"  {name:6} autoregressive {row['autoregressive_tokens_per_s']:7.1f} tok/s | speculative "
+            f"{row['speculative_tokens_per_s']:7.1f} tok/s | {row['speedup']:.2f}x | tau "
+            f"{row['mean_accepted_length']:.2f}" + (f" | {r['greedy_mismatches']} MISMATCHES"
+                                                   if r["greedy_mismatches"] else ""), flush=True)
+        if sweep:
+            best = None
+            for tr in _tree_sizes(dec):
+                s = run_bench(dec, ps, max_new_tokens, 1, tree=tr)
+                cand = {"tree": tr, "tree_size": _tree_size(tr), "speculative_tokens_per_s":
+                        s["speculative"]["tokens_per_s"], "speedup": s["speedup"],
+                        "mean_accepted_length": s["speculative"]["mean_accepted_length"]}
+                if best is None or cand["speculative_tokens_per_s"] > best["speculative_tokens_per_s"]:
+                    best = cand
+            row["best_tree"] = best
+            log(f"  {name:6} best tree size {best['tree_size']}: {best['speculative_tokens_per_s']:.1f} tok/s "
+                f"({best['speedup']:.2f}x)", flush=True)
+        out[name] = row
+        del dec
+    return out
+
+
+def run_variants(out_dir, names=("raw", "fused", "int8", "int4"), *, tree_tokens=TREE_TOKENS, past: int = 256,
+                 max_new_tokens: int = 64, repeats: int = 2, prompts: int = 4, threads: int | None = None,
+                 e2e: bool = True, sweep: bool = False, keep: bool = False, log=print) -> dict:
+    """Measure ``names`` (keys of :data:`VARIANTS`) of the raw export ``out_dir``; returns the report."""
+    out_dir = Path(out_dir).absolute()
+    names = list(names)
+    bad = [n for n in names if n not in VARIANTS]
+    if bad or not names:
+        raise UserError(f"unknown variant(s) {bad}; accepted: {', '.join(VARIANTS)}")
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.variants-", dir=out_dir.parent))
+    t0 = time.perf_counter()
+    try:
+        dirs = prepare(out_dir, names, work, log)
+        log(f"verify latency (past {past}, tree tokens {', '.join(map(str, tree_tokens))}) ...", flush=True)
+        lat = verify_latency(dirs, tree_tokens, past, threads=threads)
+        for n, r in lat.items():
+            log(f"  {n:6} " + "  ".join(f"{t:>2} tok {ms:7.2f} ms ({r['relative_to_1'][t]:.2f}x)"
+                                        for t, ms in r["ms"].items()), flush=True)
+        report = {"out_dir": str(out_dir), "variants": names, "past": past, "threads": threads,
+                  "machine": platform.processor() or platform.machine(), "verify_latency": lat}
+        base = lat.get("raw")
+        if base:
+            report["speedup_vs_raw"] = {n: {t: base["ms"][t] / r["ms"][t] for t in r["ms"]} for n, r in lat.items()}
+        from graphs.manifest import Manifest
+
+        if e2e and Manifest.read(out_dir, verify=False).drafter:
+            log(f"end to end ({prompts} prompts x {repeats}, {max_new_tokens} new tokens) ...", flush=True)
+            report["end_to_end"] = end_to_end(dirs, max_new_tokens, repeats, prompts, threads, sweep, log)
+        report["sizes_bytes"] = {n: sum(f.stat().st_size for f in d.rglob("*.onnx*")) for n, d in dirs.items()}
+        report["seconds"] = time.perf_counter() - t0
+        return report
+    finally:
+        if keep:
+            log(f"variant exports kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def draw(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    e2e = report.get("end_to_end")
+    fig, axes = plt.subplots(1, 2 if e2e else 1, figsize=(11 if e2e else 5.5, 4))
+    axes = np.atleast_1d(axes)
+    for name, r in report["verify_latency"].items():
+        ts = [int(t) for t in r["ms"]]
+        axes[0].plot(ts, list(r["ms"].values()), "o-", label=name)
+    axes[0].set_xlabel("tree tokens verified in one call")
+    axes[0].set_ylabel("base graph latency (ms)")
+    axes[0].set_title(f"verify latency, past {report['past']}")
+    axes[0].legend()
+    if e2e:
+        names = list(e2e)
+        x = np.arange(len(names))
+        axes[1].bar(x - 0.2, [e2e[n]["autoregressive_tokens_per_s"] for n in names], 0.4, label="autoregressive")
+        axes[1].bar(x + 0.2, [e2e[n]["speculative_tokens_per_s"] for n in names], 0.4, label="speculative")
+        axes[1].set_xticks(x, names)
+        axes[1].set_ylabel("tokens/s")
+        axes[1].set_title("end to end (default tree)")
+        axes[1].legend()
+    fig.suptitle(report["out_dir"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

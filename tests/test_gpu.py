@@ -1,0 +1,85 @@
+"""The CUDA path end to end: float16 optimized graphs, IO binding, the in-place kv_update, greedy
+speculative == greedy autoregressive, and CUDA greedy == CPU greedy of the same graphs.
+
+    python -m pytest -m gpu
+
+Runs only where onnxruntime-gpu sees a CUDA device; otherwise every test skips and ``-ra`` prints
+why. Never run in this project's CI (CPU only), so the first machine with a GPU proves or refutes
+it in one command.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda_or_skip():
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip(f"no CUDA: onnxruntime {ort.__version__} offers {ort.get_available_providers()} "
+                    f"(pip install 'specexport[gpu]' on a machine with an NVIDIA GPU)")
+
+
+@pytest.fixture(scope="module")
+def cuda_export(exported, tmp_path_factory):
+    """``cuda_export(kind) -> Path``: the tiny export optimized with --target cuda (float16, fused)."""
+    from exporter.optimize import optimize_export
+
+    cache = {}
+
+    def make(kind):
+        _cuda_or_skip()
+        if kind not in cache:
+            out = tmp_path_factory.mktemp(f"gpu-{kind}") / "out"
+            shutil.copytree(exported(kind), out)
+            optimize_export(out, target="cuda", progress=None, time_gain=False)
+            cache[kind] = out
+        return cache[kind]
+
+    return make
+
+
+PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8]]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+def test_cuda_float16_greedy_speculative_equals_autoregressive(cuda_export, kind):
+    import graphs
+    from graphs.manifest import Manifest
+
+    out = cuda_export(kind)
+    m = Manifest.read(out)
+    assert m.optimization["base"]["dtype"] == "float16" and m.optimization["base"]["target"] == "cuda"
+    dec = graphs.load(out, provider="cuda")
+    assert dec.provider == "cuda" and dec.io_binding and dec.kv_update is not None  # device K/V, in place
+    ar = dec.generate(PROMPTS, max_new_tokens=24, mode="autoregressive")
+    sp = dec.generate(PROMPTS, max_new_tokens=24, mode="speculative")
+    assert [r.token_ids for r in sp] == [r.token_ids for r in ar]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_cuda_greedy_equals_cpu_greedy(cuda_export, kind):
+    """The same float16 graphs on the CUDA EP (IO binding) and on the CPU EP (numpy feeds).
+
+    Both run float16 kernels with float32 norms and softmax; a tiny random model's logits can have
+    near-ties, so the first 12 tokens are compared."""
+    import graphs
+
+    out = cuda_export(kind)
+    gpu = graphs.load(out, provider="cuda").generate(PROMPTS, max_new_tokens=12)
+    cpu = graphs.load(out, provider="cpu", io_binding=False).generate(PROMPTS, max_new_tokens=12)
+    assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]
+
+
+def test_cuda_compare_passes_at_float16_tolerance(cuda_export, tiny_model_dir):
+    """exporter.compare on the CUDA EP: PyTorch float32 vs the optimized float16 graphs."""
+    from exporter.compare import compare_model
+    from exporter.loading import load_model
+
+    report = compare_model(load_model(tiny_model_dir("eagle3")), cuda_export("eagle3"), provider="cuda")
+    assert report.ok, report.table()

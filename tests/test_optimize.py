@@ -1,0 +1,283 @@
+"""python -m exporter.optimize: fusions happen (op counts), stay exact under tree masks, quantized
+graphs keep speculative == autoregressive and the sampling distribution, bad input is refused with
+the export untouched."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from conftest import run_module
+
+import graphs
+from exporter.loading import UserError
+from exporter.optimize import optimize_export
+from exporter.passes import graphio
+from exporter.passes.parity import CASES, graph_parity
+from graphs import contract as C
+from graphs.manifest import Manifest
+
+QUIET = dict(progress=None, time_gain=False)
+
+
+@pytest.fixture(scope="module")
+def optimized(exported, tmp_path_factory):
+    """``optimized(kind, quantize="none", target="cpu", **opts) -> Path``: a copy of the tiny export,
+    optimized (cached per module)."""
+    cache = {}
+
+    def make(kind="medusa", quantize="none", target="cpu", **opts):
+        key = (kind, quantize, target, tuple(sorted(opts.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"opt-{kind}-{quantize}-{target}") / "out"
+            shutil.copytree(exported(kind), out)
+            optimize_export(out, target=target, quantize=quantize, **QUIET, **opts)
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+def _ops(path) -> dict[str, int]:
+    return graphio.count_ops(onnx.load(str(path), load_external_data=False))
+
+
+def _digests(out) -> dict[str, str]:
+    from graphs.manifest import sha256_file
+
+    return {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------- fusions
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_fusions_replace_attention_and_norms(exported, optimized, kind):
+    raw, out = exported(kind), optimized(kind)
+    m = Manifest.read(out)  # every file rehashed: verify=True passes
+    layers = m.source["num_layers"]
+    raw_ops, ops = _ops(raw / "base.onnx"), _ops(out / "base.onnx")
+    assert raw_ops.get("Softmax") == layers and "Attention" not in raw_ops
+    assert ops.get("Attention") == layers and "Softmax" not in ops
+    assert ops.get("RotaryEmbedding") == 2 * layers and "Neg" not in ops  # query and key of every layer
+    assert "GroupQueryAttention" not in ops and "MultiHeadAttention" not in ops  # never the mask-ignoring kernels
+    assert ops.get("SimplifiedLayerNormalization", 0) + ops.get("SkipSimplifiedLayerNormalization", 0) == 2 * layers + 1
+    assert ops.get("SkipSimplifiedLayerNormalization", 0) >= layers
+    assert sum(ops.values()) < 0.5 * sum(raw_ops.values())
+    rec = m.optimization["base"]
+    assert rec["passes"] == ["attention", "rotary", "norms"] and rec["target"] == "cpu" and rec["dtype"] == "float32"
+    assert rec["quantization"] is None and rec["fused"]["Attention"] == layers and rec["opset"] == 23
+    if kind == "eagle3":  # the drafter's own decoder layer is fused too
+        assert _ops(out / "draft.onnx").get("Attention") == m.drafter["num_layers"]
+        assert m.optimization["draft"]["passes"] == ["attention", "rotary", "norms"]
+
+
+@pytest.mark.parametrize("combo", [
+    dict(),                                   # fuse
+    dict(target="cuda"),                      # fuse + float16 (norms, softmax float32)
+    dict(target="cuda", fuse=False),          # float16 alone
+])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+def test_exact_passes_pass_compare(tiny_model_dir, optimized, kind, combo):
+    """PyTorch vs the optimized graphs on compare's cases (non-causal tree at batch 2 with a past,
+    batch with holes, decode, prefill; the drafter's tree step), at the dtype's tolerance."""
+    from exporter.compare import compare_model
+    from exporter.loading import load_model
+
+    out = optimized(kind, **combo)
+    report = compare_model(load_model(tiny_model_dir(kind)), out)
+    assert report.ok, report.table()
+    assert {r.case for r in report.rows} >= {"tree_b2_past6", "batch2_holes"}
+    assert report.dtype == ("float16" if combo.get("target") == "cuda" else "float32")
+
+
+def test_parity_check_catches_a_mask_ignoring_attention(exported, optimized, tmp_path):
+    """The gate can fail: the fused graph with its Attention nodes' masks dropped (what a
+    GroupQueryAttention-style causal kernel amounts to under a tree) is rejected on the tree case."""
+    m = Manifest.read(exported("medusa"))
+    proto = onnx.load(str(optimized("medusa") / "base.onnx"))
+    for node in proto.graph.node:
+        if node.op_type == "Attention":
+            del node.input[3:]
+    onnx.save(proto, str(tmp_path / "unmasked.onnx"))
+    spec = m.graphs["base"]
+    rows = graph_parity(exported("medusa") / "base.onnx", tmp_path / "unmasked.onnx", spec, spec, 1e-4, 1e-4,
+                        vocab=m.source["vocab_size"])
+    bad = {r.case for r in rows if not r.ok}
+    assert CASES[0].name in bad
+
+
+# ----------------------------------------------------------------------------- quantized graphs
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+def test_quantized_speculative_equals_autoregressive(optimized, kind, quantize):
+    out = optimized(kind, quantize)
+    m = Manifest.read(out)
+    for role in ("base", "draft"):
+        rec = m.optimization[role]
+        assert rec["quantization"]["bits"] == {"int4": 4, "int8": 8}[quantize]
+        assert _ops(out / m.graphs[role].file).get("MatMulNBits") == rec["quantization"]["matmuls"] > 0
+        assert "MatMul" not in _ops(out / m.graphs[role].file)  # lm_head included
+    assert "kv_update" not in m.optimization  # no weights: left as exported
+    dec = graphs.load(out, provider="cpu", threads=1)
+    prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8], [11]]
+    ar = dec.generate(prompts, max_new_tokens=20, mode="autoregressive")
+    sp = dec.generate(prompts, max_new_tokens=20, mode="speculative")
+    assert [r.token_ids for r in sp] == [r.token_ids for r in ar]
+
+
+def test_sampling_on_int4_keeps_the_quantized_base_distribution(tmp_path_factory):
+    """The chi-square test of test_spec_sampling, on an int4 export: the reference distribution is
+    the int4 base graph's own (a quantized base is a new base)."""
+    import torch
+    from helpers import torch_threads
+    from test_spec_sampling import (
+        BATCH,
+        DRAFTERS,
+        PROMPT,
+        VOCAB,
+        _base,
+        _distill,
+        _sampled_text,
+        chi_square,
+        sample_counts,
+    )
+
+    from exporter.export import export
+    from exporter.speculative import convert, enable_huggingface_checkpointing
+
+    root = tmp_path_factory.mktemp("sampling-int4")
+    with torch_threads(1):
+        base = _base()
+        torch.manual_seed(2)
+        model = convert(_base(), [DRAFTERS["medusa"]])
+        _distill(model, _sampled_text(base, n=96, length=24, seed=1))
+        enable_huggingface_checkpointing()
+        model.save_pretrained(root / "model")
+    export(root / "model", root / "onnx", log=lambda *a, **k: None)
+    optimize_export(root / "onnx", quantize="int4", **QUIET)
+    dec = graphs.load(root / "onnx", provider="cpu", threads=1)
+    dec.eos = set()
+    counts, tau = sample_counts(dec, seeds=range(4), temperature=1.0)
+    assert tau > 1.05
+    assert counts.sum() == 4 * BATCH
+    joint = _graph_joint(dec, VOCAB, PROMPT)
+    stat, dof, p = chi_square(counts, joint)
+    print(f"\nint4 medusa: chi2 {stat:.1f} dof {dof} p {p:.3g} tau {tau:.2f}")
+    assert p > 1e-3
+
+
+def _graph_joint(dec, vocab: int, prompt: list[int]) -> np.ndarray:
+    """(V, V, V) float64 p(x1, x2, x3 | prompt) from the decoder's own base graph (no cache)."""
+    spec = dec.base_spec
+    kv = spec.input(C.past_key(0)).dims
+
+    def last_probs(seqs: np.ndarray) -> np.ndarray:
+        b, s = seqs.shape
+        feed = {C.INPUT_IDS: seqs, C.POSITION_IDS: np.broadcast_to(np.arange(s), (b, s)).copy(),
+                C.ATTENTION_MASK: np.broadcast_to(np.tril(np.ones((s, s), bool)), (b, 1, s, s)).copy()}
+        for t in spec.inputs[3:]:
+            feed[t.name] = np.zeros((b, kv[1], 0, kv[3]), np.float32)
+        logits = dec.base.run([C.LOGITS], feed)[0][:, -1].astype(np.float64)
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p1 = last_probs(np.array([prompt]))[0]
+    p2 = last_probs(np.array([[*prompt, a] for a in range(vocab)]))
+    p3 = last_probs(np.array([[*prompt, a, b] for a in range(vocab) for b in range(vocab)])).reshape(vocab, vocab, -1)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_optimizing_twice_is_refused_and_leaves_the_export(optimized):
+    out = optimized("medusa")
+    before = _digests(out)
+    with pytest.raises(UserError, match="already optimized"):
+        optimize_export(out, **QUIET)
+    assert _digests(out) == before
+
+
+def test_cli_bad_target_is_one_line(exported, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(exported("medusa"), out)
+    before = _digests(out)
+    for args in (["--target", "tpu"], ["--quantize", "int3"]):
+        r = run_module("exporter.optimize", out, *args)
+        assert r.returncode != 0
+        assert "Traceback" not in r.stderr
+        err = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error:")]
+        assert len(err) == 1 and ("tpu" in err[0] or "int3" in err[0]), r.stdout + r.stderr
+    assert _digests(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left behind
+
+
+def test_a_pattern_that_does_not_match_is_refused(exported, tmp_path):
+    """An attention whose scale is a Div (another exporter's pattern) is not fused silently."""
+    out = tmp_path / "out"
+    shutil.copytree(exported("medusa"), out)
+    proto = onnx.load(str(out / "base.onnx"))
+    for node in proto.graph.node:
+        if node.name == "/model/layers.1/self_attn/Mul_8":  # scores * scale
+            node.op_type = "Div"
+            break
+    else:
+        pytest.fail("the traced scale node was not found: update this test's node name")
+    onnx.save(proto, str(out / "base.onnx"))
+    m = Manifest.read(out, verify=False)
+    m.write(out)
+    before = _digests(out)
+    with pytest.raises(UserError, match="1 of 4 attentions do not match"):
+        optimize_export(out, **QUIET)
+    assert _digests(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_disk_full_leaves_the_export(exported, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(exported("eagle"), out)
+    before = _digests(out)
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(graphio, "save_graph", full)
+    with pytest.raises(UserError, match="disk full"):
+        optimize_export(out, quantize="int4", **QUIET)
+    assert _digests(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    monkeypatch.undo()
+    monkeypatch.setattr("shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(1, 1, 1))
+    with pytest.raises(UserError, match="not enough disk space"):
+        optimize_export(out, **QUIET)
+    assert _digests(out) == before
+
+
+def test_runtime_warns_when_graphs_target_another_provider(optimized):
+    import graphs.sessions
+
+    out = optimized("medusa", target="cuda")
+    graphs.sessions._WARNED_TARGETS.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphs.load(out, provider="cpu")
+        graphs.load(out, provider="cpu")  # once, not per load
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "optimized for cuda" in msgs[0]
+
+
+def test_export_runs_optimize_as_a_step(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    r = run_module("exporter.export", tiny_model_dir("medusa"), out, "--optimize", "--quantize", "int8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[base] int8" in r.stdout and "parity" in r.stdout  # the per-pass summary is printed
+    m = Manifest.read(out)
+    assert m.optimization["base"]["quantization"]["bits"] == 8
+    assert m.optimization["base"]["passes"] == ["attention", "rotary", "norms", "int8"]
