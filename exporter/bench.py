@@ -32,7 +32,9 @@ from exporter.benchmark.prompts import build_prompts
 from exporter.loading import UserError
 
 PEERS = ("genai", "hf", "optimum")
-PRECISIONS = ("fp32", "int4")
+# our variants: the export as it is, or a copy through the optimize stage (fused; quantized)
+PRECISIONS = {"fp32": None, "opt": "none", "int8": "int8", "int4": "int4"}
+GENAI_PRECISIONS = ("fp32", "int4")  # what onnxruntime-genai's builder is asked for
 
 
 @dataclass
@@ -71,7 +73,8 @@ class BenchOptions:
         need(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
         need(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
         bad = [p for p in self.precisions if p not in PRECISIONS] + [p for p in self.peers if p not in PEERS]
-        need(not bad, f"unknown precision or peer {bad[0] if bad else ''!r}; precisions: {', '.join(PRECISIONS)}; "
+        need(not bad, f"unknown precision or peer {bad[0] if bad else ''!r}; precisions: {', '.join(PRECISIONS)} "
+                      f"(opt: fused fp32); "
                       f"peers: {', '.join(PEERS)}")
 
 
@@ -93,7 +96,7 @@ def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> 
     ours_base = {"runner": "ours", "threads": opts.threads, "load_options": opts.load_options}
     for prec in opts.precisions:
         sfx = "" if prec == "fp32" else f"-{prec}"
-        path, why = (out_dir, "") if prec == "fp32" else S.ours_variant(out_dir, prec, work, log)
+        path, why = (out_dir, "") if prec == "fp32" else S.ours_variant(out_dir, PRECISIONS[prec], work, log)
         ar = S.System(f"ours-ar{sfx}", "ours", {**ours_base, "out_dir": str(path), "mode": "autoregressive"},
                       precision=prec)
         mine = [ar]
@@ -107,7 +110,7 @@ def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> 
     peers = [p for p in opts.peers]
     if not peers:
         return systems
-    names = {"genai": [f"genai{'' if p == 'fp32' else '-' + p}" for p in opts.precisions],
+    names = {"genai": [f"genai{'' if p == 'fp32' else '-' + p}" for p in opts.precisions if p in GENAI_PRECISIONS],
              "hf": ["hf", "hf-pld"] + (["hf-assisted"] if opts.draft_model else []), "optimum": ["optimum"]}
     if not opts.model_dir:
         for p in peers:
@@ -229,7 +232,7 @@ def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, log) -> d
     entries = [R.summarize(s, n_tokens, bandwidth) for s in systems]
     ok = {e["name"] for e in entries if e["status"] == "ok"}
     anchor = next((a for a in ("genai", "ours-ar") if a in ok), None)
-    R.speedups(entries, [a for a in ("genai", "ours-ar", "genai-int4", "ours-ar-int4", "hf") if a in ok])
+    R.speedups(entries, [a for a in ("genai", "ours-ar", "ours-ar-opt", "genai-int4", "ours-ar-int4", "hf") if a in ok])
     greedy = R.greedy_check(systems, len(prompts)) if opts.temperature == 0 else []
     report = {
         "schema": R.SCHEMA,
@@ -238,7 +241,8 @@ def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, log) -> d
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                     "copy_bandwidth_bytes_per_s": bandwidth, "python": platform.python_version()},
         "settings": {"prompts": len(prompts), "prompts_file": opts.prompts_file,
-                     "prompt_sources": sorted({p.source for p in prompts}), "max_new_tokens": opts.max_new_tokens,
+                     "prompt_sources": sorted({p.source for p in prompts}),
+                     "mean_prompt_tokens": sum(n_tokens) / len(n_tokens), "max_new_tokens": opts.max_new_tokens,
                      "repeats": opts.repeats, "temperature": opts.temperature, "top_p": opts.top_p,
                      "top_k": opts.top_k, "seed": opts.seed, "threads": opts.threads,
                      "precisions": list(opts.precisions), "load_options": opts.load_options,
@@ -299,8 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="threads per system (default: all cores)")
     ap.add_argument("--tree", help="tree JSON file for ours-spec (default: the manifest's)")
-    ap.add_argument("--precisions", default="fp32", help="comma list of fp32,int4 (int4: ours via the optimize "
-                                                         "stage, genai via its builder)")
+    ap.add_argument("--precisions", default="fp32", help="comma list of fp32,opt,int8,int4 (ours: opt/int8/int4 "
+                                                         "through the optimize stage; genai: fp32/int4 builds)")
     ap.add_argument("--peers", default=",".join(PEERS), help="comma list of genai,hf,optimum ('' for none)")
     ap.add_argument("--draft-model", help="HF draft model directory for hf-assisted (assisted generation)")
     ap.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
@@ -336,7 +340,9 @@ def main(argv=None) -> int:
         for e in report["systems"]:
             print(R.line(e))
         for g in report["greedy"] if isinstance(report["greedy"], list) else []:
-            if g["prompts_equal"] < g["prompts_compared"]:
+            if g["prompts_equal"] == g["prompts_compared"]:
+                print(f"greedy tokens equal: {g['system']} = {g['reference']} on {g['prompts_compared']} prompts")
+            else:
                 print(f"{'GREEDY MISMATCH' if g['must_equal'] else 'note: greedy tokens differ'}: {g['system']} vs "
                       f"{g['reference']} on {g['prompts_compared'] - g['prompts_equal']}/{g['prompts_compared']} "
                       f"prompts (first at prompt {g['first_mismatch']['prompt']}, token "

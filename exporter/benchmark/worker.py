@@ -308,6 +308,18 @@ def prepare(kind: str, src: str, dst: str) -> None:
 # ---------------------------------------------------------------- the loop
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size. Linux's VmHWM belongs to this program's own memory
+    map; ``getrusage``'s ru_maxrss would carry over the parent's peak through fork + exec."""
+    try:
+        for ln in Path("/proc/self/status").read_text().splitlines():
+            if ln.startswith("VmHWM:"):
+                return int(ln.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def serve(stdin, out) -> None:
     runner = None
 
@@ -324,7 +336,7 @@ def serve(stdin, out) -> None:
             elif "run" in req:
                 reply({"ok": True, **runner.run(req["run"])})
             elif "close" in req:
-                reply({"ok": True, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+                reply({"ok": True, "peak_rss_bytes": peak_rss_bytes()})
                 return
         except UnavailableError as e:
             reply({"ok": False, "unavailable": True, "reason": str(e)})
