@@ -242,8 +242,11 @@ class OptimumRunner(HFRunner):
     def _hook(self, module, counter: str) -> None:
         if hasattr(module, "register_forward_pre_hook"):
             return super()._hook(module, counter)
+        import functools
+
         forward = module.forward
 
+        @functools.wraps(forward)  # generate() validates its kwargs against forward's signature
         def counted(*a, **k):
             setattr(self, counter, getattr(self, counter) + 1)
             return forward(*a, **k)
