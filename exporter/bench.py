@@ -338,7 +338,7 @@ def main(argv=None) -> int:
             load_options=_load_options(args.load_option), sweep=args.sweep, work=args.work)
         report = bench(args.out_dir, opts, log=lambda *a: print(*a, file=sys.stderr))
         for e in report["systems"]:
-            print(R.line(e))
+            print(R.line(e, report["anchor"]))
         for g in report["greedy"] if isinstance(report["greedy"], list) else []:
             if g["prompts_equal"] == g["prompts_compared"]:
                 print(f"greedy tokens equal: {g['system']} = {g['reference']} on {g['prompts_compared']} prompts")

@@ -94,6 +94,22 @@ def measure(out_dir: Path, trees: list[int], past: int, prompt: int, draft_rows:
     return out
 
 
+def cached_measure(out_dir: Path, trees, past, prompt, draft_rows, repeats, threads) -> dict:
+    """:func:`measure`, kept beside the export for the next run with the same settings."""
+    key = f"terms-p{past}-s{prompt}-t{threads}-r{repeats}.json"
+    f = out_dir.parent / key
+    if f.is_file():
+        terms = json.loads(f.read_text())
+        terms["verify"] = {int(k): v for k, v in terms["verify"].items()}
+        terms["draft"] = {int(k): v for k, v in terms["draft"].items()}
+        if set(trees) <= set(terms["verify"]) and set(draft_rows) <= set(terms["draft"]):
+            print(f"  {out_dir.parent.name}: terms from {f}")
+            return terms
+    terms = measure(out_dir, trees, past, prompt, draft_rows, repeats, threads)
+    f.write_text(json.dumps(terms, indent=2) + "\n")
+    return terms
+
+
 def extrapolate(a: dict, b: dict, layers: int) -> dict:
     """Per-term linear fit in the number of layers through two measurements, evaluated at ``layers``."""
     la, lb = a["num_layers"], b["num_layers"]
@@ -242,8 +258,8 @@ def main(argv=None) -> int:
         work = Path(args.work)
         work.mkdir(parents=True, exist_ok=True)
         layers = [int(x) for x in args.layers.split(",")]
-        measured = [measure(build_export(n, acc["kind"], work), trees, args.past, args.prompt, draft_rows,
-                            args.repeats, args.threads) for n in layers]
+        measured = [cached_measure(build_export(n, acc["kind"], work), trees, args.past, args.prompt, draft_rows,
+                                   args.repeats, args.threads) for n in layers]
         terms = measured[0] if len(measured) == 1 else extrapolate(measured[0], measured[-1], args.target_layers)
         terms["measured_layers"] = measured
         label = f"TinyLlama-1.1B shape, {terms['num_layers']} layers"

@@ -132,15 +132,17 @@ def speedups(entries: list[dict], anchors: list[str]) -> None:
             e["speedup_vs"] = {a: e["decode_tokens_per_s"] / by[a]["decode_tokens_per_s"] for a in anchors if a in by}
 
 
-def line(e: dict) -> str:
-    """One printed line per system."""
+def line(e: dict, anchor: str | None = None) -> str:
+    """One printed line per system: speedups over the anchor and over our autoregressive run of its precision."""
     if e["status"] != "ok":
         return f"{e['name']:>16}: {e['status'].upper()}: {e['reason']}"
     tau = e.get("mean_accepted_length")
     split = e.get("time_split")
     bw = e.get("bandwidth_fraction")
     rss = e.get("peak_rss_bytes")
-    sp = " ".join(f"{v:.2f}x vs {k}" for k, v in (e.get("speedup_vs") or {}).items() if k != e["name"])
+    own = "ours-ar" + ("" if e["precision"] == "fp32" else "-" + e["precision"])
+    sp = " ".join(f"{v:.2f}x vs {k}" for k, v in (e.get("speedup_vs") or {}).items()
+                  if k != e["name"] and k in (anchor, own))
     return (f"{e['name']:>16}: decode {e['decode_tokens_per_s']:7.1f} tok/s | prefill {e['prefill_tokens_per_s']:7.0f}"
             f" tok/s | e2e {e['e2e_tokens_per_s']:7.1f} tok/s"
             + (f" | tau {tau:.2f}" if tau else "")
