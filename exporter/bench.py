@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     ap.add_argument("out_dir", help="an export directory")
     ap.add_argument("--model-dir", help="the HF model directory the export came from (peers build from it)")
     ap.add_argument("--prompts-file", help="prompts: text (one per line) or JSONL with 'prompt' or 'messages'")
-    ap.add_argument("--prompts", type=int, default=None, help="how many prompts (cycles the file or built-in set)")
+    ap.add_argument("--prompts", "--count", dest="prompts", type=int, default=None,
+                    help="how many prompts (cycles the file or built-in set; default: the whole file, or 8 built-in)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked equal)")

@@ -120,6 +120,8 @@ class GenaiRunner:
             config.overlay(json.dumps({"model": {"decoder": {"session_options": {
                 "intra_op_num_threads": int(spec["threads"])}}}}))
         self.model = og.Model(config)
+        cfg = json.loads((Path(spec["model"]) / "genai_config.json").read_text())
+        self.vocab_size = int(cfg["model"]["vocab_size"])
         d = Path(spec["model"])
         self.info = {"weight_bytes": _file_bytes([p for p in d.iterdir() if ".onnx" in p.name]), "draft_bytes": 0,
                      "version": getattr(og, "__version__", "?")}
@@ -130,7 +132,8 @@ class GenaiRunner:
         params = og.GeneratorParams(self.model)
         opts = {"max_length": len(ids) + req["max_new_tokens"], "do_sample": req["temperature"] > 0}
         if req["temperature"] > 0:
-            opts.update(temperature=req["temperature"], top_p=req["top_p"], top_k=req["top_k"] or 0)
+            # genai's default top_k is 50; 0 here means no top-k, as in our runtime: the whole vocabulary
+            opts.update(temperature=req["temperature"], top_p=req["top_p"], top_k=req["top_k"] or self.vocab_size)
             if req.get("seed") is not None:
                 opts["random_seed"] = int(req["seed"])
         params.set_search_options(**opts)
@@ -201,7 +204,8 @@ class HFRunner:
         streamer = _TimingStreamer()
         kw = dict(self.extra)
         if req["temperature"] > 0:
-            kw.update(do_sample=True, temperature=req["temperature"], top_p=req["top_p"], top_k=req["top_k"] or None)
+            # top_k=0 disables HF's top-k (its generation_config default is 50), as in our runtime
+            kw.update(do_sample=True, temperature=req["temperature"], top_p=req["top_p"], top_k=req["top_k"])
             if req.get("seed") is not None:
                 torch.manual_seed(int(req["seed"]))
         else:
