@@ -214,3 +214,38 @@ def test_bench_exits_1_on_a_greedy_mismatch(exported, monkeypatch, tmp_path, cap
     assert rc == 1
     assert "GREEDY MISMATCH: ours-spec vs ours-ar on 1/1 prompts" in capsys.readouterr().out
     assert json.loads((tmp_path / "r.json").read_text())["greedy_mismatches"] == 1
+
+
+def test_hf_peers_run_and_agree_with_ours(exported, tiny_model_dir, tmp_path):
+    """HF generate (plain and prompt lookup) on the same base: greedy tokens equal to ours-ar's."""
+    rep = bench(exported("medusa"), BenchOptions(**TINY, peers=("hf",), model_dir=str(tiny_model_dir("medusa")),
+                                                 work=str(tmp_path)), log=lambda *a: None)
+    by = {e["name"]: e for e in rep["systems"]}
+    for name in ("hf", "hf-pld"):
+        assert by[name]["status"] == "ok", by[name]["reason"]
+        assert by[name]["decode_tokens_per_s"] > 0 and by[name]["base_forwards"] > 0
+    rows = {(g["system"], g["reference"]): g for g in rep["greedy"]}
+    assert rows[("hf", "ours-ar")]["prompts_equal"] == 2
+    assert rows[("hf-pld", "hf")]["prompts_equal"] == 2
+    assert rep["greedy_mismatches"] == 0
+
+
+@pytest.mark.slow
+def test_genai_and_optimum_peers(exported, tiny_model_dir, tmp_path):
+    """onnxruntime-genai's build of the same base decodes the same greedy tokens as ours-ar; optimum
+    runs when an environment with it is given (BENCH_OPTIMUM_PYTHON), else it is reported skipped."""
+    import os
+
+    pytest.importorskip("onnxruntime_genai")
+    opt_py = os.environ.get("BENCH_OPTIMUM_PYTHON")
+    rep = bench(exported("medusa"), BenchOptions(**TINY, peers=("genai", "optimum"), optimum_python=opt_py,
+                                                 model_dir=str(tiny_model_dir("medusa")), work=str(tmp_path)),
+                log=lambda *a: None)
+    by = {e["name"]: e for e in rep["systems"]}
+    assert by["genai"]["status"] == "ok", by["genai"]["reason"]
+    rows = {(g["system"], g["reference"]): g for g in rep["greedy"]}
+    assert rows[("genai", "ours-ar")]["prompts_equal"] == 2
+    if opt_py:
+        assert by["optimum"]["status"] == "ok", by["optimum"]["reason"]
+    else:
+        assert by["optimum"]["status"] == "skipped" and "--optimum-python" in by["optimum"]["reason"]
