@@ -141,7 +141,9 @@ def acceptance(report: dict) -> dict:
         rows.setdefault(r["tree_size"], {"tau": r["mean_accepted_length"], "calls": calls, "tree": r["tree"]})
     settings = report["settings"]
     context = settings.get("mean_prompt_tokens", 16) + settings["max_new_tokens"] / 2
-    return {"kind": kind, "trees": rows, "main_tree_size": main_size, "mean_context": int(context),
+    paths = tree.get("medusa_paths") if isinstance(tree, dict) else tree if isinstance(tree, list) else None
+    return {"kind": kind, "trees": rows, "main_tree_size": main_size,
+            "medusa_heads": max(map(len, paths)) if paths else 2, "mean_context": int(context),
             "host_spec_s": spec["time_split"]["host"] * decode_s / steps,
             "host_ar_s": ar["time_split"]["host"] * ar_decode_s / ar["base_forwards"],
             "topk": (tree.get("eagle") or {}).get("topk", 1) if isinstance(tree, dict) else 1,
@@ -178,9 +180,9 @@ def predict(terms: dict, acc: dict) -> list[dict]:
     return rows
 
 
-def build_export(layers: int, kind: str, work: Path) -> Path:
+def build_export(layers: int, kind: str, work: Path, medusa_heads: int = 2) -> Path:
     """A TinyLlama-shaped model of ``layers`` layers with a random drafter, exported (cached in work)."""
-    out = work / f"tinyllama-{kind}-{layers}L"
+    out = work / (f"tinyllama-{kind}-{layers}L" + (f"-{medusa_heads}h" if kind == "medusa" else ""))
     if (out / "onnx" / "manifest.json").is_file():
         return out / "onnx"
     from exporter.export import export
@@ -189,7 +191,8 @@ def build_export(layers: int, kind: str, work: Path) -> Path:
 
     print(f"building and exporting a {layers}-layer TinyLlama-shaped base with a {kind} drafter", flush=True)
     model = build_model(layers)
-    convert(model, [("medusa", dict(MEDUSA))] if kind == "medusa" else [("eagle", {"eagle_num_layers": 1})])
+    medusa = {**MEDUSA, "medusa_num_heads": medusa_heads}  # one lm_head per head: heads cost what they read
+    convert(model, [("medusa", medusa)] if kind == "medusa" else [("eagle", {"eagle_num_layers": 1})])
     enable_huggingface_checkpointing()
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out / "model")
@@ -258,8 +261,9 @@ def main(argv=None) -> int:
         work = Path(args.work)
         work.mkdir(parents=True, exist_ok=True)
         layers = [int(x) for x in args.layers.split(",")]
-        measured = [cached_measure(build_export(n, acc["kind"], work), trees, args.past, args.prompt, draft_rows,
-                                   args.repeats, args.threads) for n in layers]
+        exports = [build_export(n, acc["kind"], work, acc["medusa_heads"]) for n in layers]
+        measured = [cached_measure(e, trees, args.past, args.prompt, draft_rows, args.repeats, args.threads)
+                    for e in exports]
         terms = measured[0] if len(measured) == 1 else extrapolate(measured[0], measured[-1], args.target_layers)
         terms["measured_layers"] = measured
         label = f"TinyLlama-1.1B shape, {terms['num_layers']} layers"
