@@ -196,7 +196,7 @@ def ours_variant(out_dir: Path, quantize: str, work: Path, log) -> tuple[Path | 
         return dst, ""
     import shutil
 
-    log(f"  preparing our {quantize} variant -> {dst}")
+    log(f"  preparing our {'fused fp32' if quantize == 'none' else quantize} variant -> {dst}")
     tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=work))
     try:
         shutil.copytree(out_dir, tmp, dirs_exist_ok=True)
