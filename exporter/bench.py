@@ -323,6 +323,11 @@ def main(argv=None) -> int:
         for flag, path in (("--json", args.json), ("--png", args.png)):
             if path:
                 check_writable(path, flag)
+        if args.png:  # say so before the run, not after it
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise UserError("--png needs matplotlib: pip install matplotlib") from None
         tree = None
         if args.tree:
             try:

@@ -54,6 +54,8 @@ def test_jsonl_prompt_and_messages_with_chat_template(tmp_path, exported, tok):
     assert (a.source, a.text) == ("prompt", "x = 1")
     assert (b.source, b.text) == ("messages", "<|user|>hi\n<|assistant|>")
     assert b.ids == tok.encode("<|user|>hi\n<|assistant|>", add_special_tokens=False).ids
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": "({{ messages[0].content }})"}))
+    assert build_prompts(out, tok, f)[1].text == "(hi)"
     (out / "chat_template.jinja").write_text("[{{ messages[0].content }}]")  # the file wins, as in transformers
     assert build_prompts(out, tok, f)[1].text == "[hi]"
 

@@ -86,14 +86,22 @@ def load_chat_template(out_dir) -> tuple[str, dict]:
             cfg = json.loads(tc.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{tc} is not valid JSON ({e}); re-export the model") from None
-    jinja = out_dir / "chat_template.jinja"
-    template = jinja.read_text(encoding="utf-8") if jinja.is_file() else cfg.get("chat_template")
+    # where transformers saves it: chat_template.jinja (5.x), chat_template.json, tokenizer_config.json
+    jinja, as_json = out_dir / "chat_template.jinja", out_dir / "chat_template.json"
+    template = cfg.get("chat_template")
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    elif as_json.is_file():
+        try:
+            template = json.loads(as_json.read_text(encoding="utf-8")).get("chat_template")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise UserError(f"{as_json} is not valid JSON ({e}); re-export the model") from None
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if not isinstance(template, str) or not template:
         raise UserError(f"the prompts file has chat messages but {out_dir} has no chat template "
-                        f"(chat_template.jinja or tokenizer_config.json's chat_template); export a model whose "
+                        f"(chat_template.jinja/.json or tokenizer_config.json's chat_template); export a model whose "
                         f"tokenizer has one, or use plain prompts")
     specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
     return template, specials
