@@ -265,25 +265,34 @@ def _request(ids, opts: BenchOptions, max_new: int, seed, tree=None) -> dict:
 
 
 def _sweep(systems, prompts, manifest, opts: BenchOptions, log) -> list | None:
-    spec = next((s for s in systems if s.name == "ours-spec" and s.status == "ok"), None)
-    if spec is None:
-        log("sweep: skipped (ours-spec did not run)")
+    """ours-spec per tree size, each prompt run beside ours-ar (order alternating), so every row's
+    speedup compares runs made under the same machine load."""
+    by = {s.name: s for s in systems if s.status == "ok"}
+    spec, ar = by.get("ours-spec"), by.get("ours-ar")
+    if spec is None or ar is None:
+        log("sweep: skipped (ours-spec or ours-ar did not run)")
         return None
     rows = []
     for tree in _tree_sizes(manifest.drafter["kind"], manifest.drafter):
-        runs = [S.run(spec, _request(p.ids, opts, opts.max_new_tokens, opts.seed + i, tree))
-                for _ in range(max(1, opts.repeats // 2)) for i, p in enumerate(prompts)]
-        runs = [r for r in runs if r is not None]
-        if not runs:
+        runs = {"spec": [], "ar": []}
+        for r in range(max(1, opts.repeats // 2)):
+            for i, p in enumerate(prompts):
+                pair = [("spec", spec, tree), ("ar", ar, None)]
+                for key, system, tr in pair if (r + i) % 2 == 0 else pair[::-1]:
+                    reply = S.run(system, _request(p.ids, opts, opts.max_new_tokens, opts.seed + i, tr))
+                    if reply is not None:
+                        runs[key].append(reply)
+        if not runs["spec"] or not runs["ar"]:
             break
-        decode = sum(r["decode_s"] for r in runs)
-        acc = [a for r in runs for a in r["accepted"]]
-        row = {"tree": tree, "tree_size": _tree_size(tree),
-               "decode_tokens_per_s": sum(len(r["tokens"]) - 1 for r in runs) / decode if decode else 0.0,
+        tps = {k: sum(len(x["tokens"]) - 1 for x in v) / max(sum(x["decode_s"] for x in v), 1e-9)
+               for k, v in runs.items()}
+        acc = [a for x in runs["spec"] for a in x["accepted"]]
+        row = {"tree": tree, "tree_size": _tree_size(tree), "decode_tokens_per_s": tps["spec"],
+               "autoregressive_tokens_per_s": tps["ar"], "speedup": tps["spec"] / max(tps["ar"], 1e-9),
                "mean_accepted_length": sum(acc) / len(acc) if acc else 0.0}
         rows.append(row)
-        log(f"  tree size {row['tree_size']:3d}: {row['decode_tokens_per_s']:.1f} tok/s, "
-            f"tau {row['mean_accepted_length']:.2f}")
+        log(f"  tree size {row['tree_size']:3d}: {row['decode_tokens_per_s']:.1f} tok/s "
+            f"({row['speedup']:.2f}x ours-ar beside it), tau {row['mean_accepted_length']:.2f}")
     return rows
 
 
