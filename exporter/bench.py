@@ -28,7 +28,7 @@ from pathlib import Path
 
 from exporter.benchmark import report as R
 from exporter.benchmark import systems as S
-from exporter.benchmark.prompts import build_prompts
+from exporter.benchmark.prompts import DEFAULT_PROMPTS, build_prompts  # noqa: F401 (DEFAULT_PROMPTS: exporter.e2e)
 from exporter.loading import UserError
 
 PEERS = ("genai", "hf", "optimum")
