@@ -122,7 +122,12 @@ def extrapolate(a: dict, b: dict, layers: int) -> dict:
     def lin(x, y):
         return x + (y - x) * (layers - la) / (lb - la)
 
+    bad = sorted(t for t in a["verify"] if b["verify"][t] <= a["verify"][t])
+    if bad:  # more layers cannot cost less: the machine was busy, and the fit means nothing
+        print(f"WARNING: verify(T) with {lb} layers was not slower than with {la} layers for T in {bad}: the "
+              f"measurements are noise (a busy machine?); rerun on a quiet one", file=sys.stderr)
     return {"num_layers": layers, "verify": {t: lin(a["verify"][t], b["verify"][t]) for t in a["verify"]},
+            "inconsistent_tree_sizes": bad,
             "prefill": lin(a["prefill"], b["prefill"]), "draft": b["draft"],
             "base_bytes": lin(a["base_bytes"], b["base_bytes"]), "extrapolated_from": [la, lb]}
 
