@@ -1,0 +1,208 @@
+"""What the benchmark measures: named systems, each run by a worker subprocess.
+
+A :class:`System` is our runtime in one mode (autoregressive / speculative), tree and precision, or a
+peer (onnxruntime-genai, HF ``generate`` plain / prompt lookup / assisted, optimum). Each lives in
+its own process (:mod:`exporter.benchmark.worker`), so its peak RSS is its own and a missing or
+broken peer is reported and skipped, never fatal. The parent feeds them the same token ids one
+prompt at a time, rotating the order, so slow drift of a shared machine hits every system alike.
+
+Peers' models are prepared once (a plain copy of the base, the genai builder's output, optimum's
+export) in a work directory; with ``--work DIR`` they are kept and reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class System:
+    name: str  # "ours-spec", "ours-ar-int4", "genai", "hf-pld", ...
+    family: str  # "ours" | "genai" | "hf" | "optimum": colour in the plot
+    spec: dict  # the worker's setup request (``runner`` + its options); None until prepared
+    python: str = sys.executable
+    precision: str = "fp32"
+    must_equal: str | None = None  # greedy tokens must equal this system's (same graphs): a mismatch fails
+    compare_to: str | None = None  # greedy tokens compared with this system's and reported
+    status: str = "pending"  # "ok" | "skipped" | "failed"
+    reason: str = ""
+    info: dict = field(default_factory=dict)
+    runs: list = field(default_factory=list)  # worker replies, one per (repeat, prompt)
+    peak_rss_bytes: int | None = None
+    worker: Worker | None = None
+
+    def skip(self, reason: str, status: str = "skipped") -> None:
+        self.status, self.reason = status, reason
+        if self.worker is not None:
+            self.worker.kill()
+            self.worker = None
+
+
+class WorkerError(Exception):
+    pass
+
+
+class Worker:
+    """A worker subprocess; requests and replies are JSON lines, stderr goes to a log file."""
+
+    def __init__(self, python: str, log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed by kill(), lives as long as the worker)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.proc = subprocess.Popen([python, "-m", "exporter.benchmark.worker"], cwd=REPO, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
+
+    def call(self, request: dict) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            self.proc.wait(timeout=30)
+            raise WorkerError(f"the worker exited ({self.proc.returncode}): {self.last_log_line()}")
+        return json.loads(line)
+
+    def last_log_line(self) -> str:
+        self._log.flush()
+        try:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        return lines[-1].strip() if lines else "no output"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def start(system: System, work: Path, log=print) -> None:
+    """Start the worker and load the system; on failure the system is marked skipped/failed."""
+    if system.status != "pending":
+        return
+    system.worker = Worker(system.python, work / f"{system.name}.log")
+    try:
+        reply = system.worker.call({"setup": system.spec})
+    except WorkerError as e:
+        system.skip(f"{e} (log: {work / (system.name + '.log')})", "failed")
+        return
+    if not reply["ok"]:
+        system.skip(reply["reason"], "skipped" if reply.get("unavailable") else "failed")
+        return
+    system.info, system.status = reply["info"], "ok"
+
+
+def run(system: System, request: dict) -> dict | None:
+    try:
+        reply = system.worker.call({"run": request})
+    except WorkerError as e:
+        system.skip(str(e), "failed")
+        return None
+    if not reply["ok"]:
+        system.skip(f"run failed: {reply['reason']}", "failed")
+        return None
+    return reply
+
+
+def close(system: System) -> None:
+    if system.worker is None:
+        return
+    try:
+        system.peak_rss_bytes = system.worker.call({"close": True}).get("peak_rss_bytes")
+        system.worker.proc.wait(timeout=60)
+    except (WorkerError, subprocess.TimeoutExpired):
+        pass
+    system.worker.kill()
+    system.worker = None
+
+
+# ---------------------------------------------------------------- peers' models
+
+
+def _key(model_dir: Path, *parts) -> str:
+    cfg = model_dir / "config.json"
+    stamp = f"{model_dir.resolve()}|{cfg.stat().st_mtime_ns if cfg.is_file() else 0}|{'|'.join(map(str, parts))}"
+    return hashlib.sha1(stamp.encode()).hexdigest()[:10]
+
+
+def _prepared(dst: Path, cmd: list[str], what: str, log, ready_file: str) -> tuple[Path | None, str]:
+    """Run ``cmd`` to build ``dst`` unless an earlier run finished it; (dst, "") or (None, reason)."""
+    if (dst / ready_file).is_file():
+        return dst, ""
+    log(f"  preparing {what} -> {dst}")
+    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=dst.parent))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = [c if c != "{out}" else str(tmp) for c in cmd]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not (tmp / ready_file).is_file():
+        (dst.parent / f"{dst.name}.log").write_text(proc.stdout + proc.stderr)
+        lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        _rmtree(tmp)
+        return None, f"{what} failed: {lines[-1].strip() if lines else proc.returncode} (log: {dst}.log)"
+    if dst.exists():
+        _rmtree(dst)
+    tmp.rename(dst)
+    return dst, ""
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def plain_base(model_dir: Path, work: Path, log) -> tuple[Path | None, str]:
+    """The base alone, as a plain HF directory (our model dirs also carry a drafter)."""
+    dst = work / f"plain-{_key(model_dir)}"
+    return _prepared(dst, [sys.executable, "-m", "exporter.benchmark.worker", "--prepare", "plain", str(model_dir),
+                           "{out}"], "a plain copy of the base", log, "config.json")
+
+
+def genai_model(plain: Path, precision: str, work: Path, log) -> tuple[Path | None, str]:
+    """onnxruntime-genai's own build of the base (its model builder, offline, CPU)."""
+    dst = work / f"genai-{precision}-{_key(plain, precision)}"
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(plain), "-o", "{out}",
+           "-p", precision, "-e", "cpu", "-c", str(work / "genai-hf-cache")]
+    return _prepared(dst, cmd, f"onnxruntime-genai {precision} build", log, "genai_config.json")
+
+
+def optimum_model(plain: Path, python: str, work: Path, log) -> tuple[Path | None, str]:
+    dst = work / f"optimum-{_key(plain, python)}"
+    cmd = [python, "-m", "exporter.benchmark.worker", "--prepare", "optimum", str(plain), "{out}"]
+    return _prepared(dst, cmd, "optimum's ONNX export", log, "config.json")
+
+
+def ours_variant(out_dir: Path, quantize: str, work: Path, log) -> tuple[Path | None, str]:
+    """A quantized copy of our export, by the optimize stage (``exporter.optimize``) where it exists."""
+    try:
+        from exporter.optimize import optimize_export
+    except ImportError:
+        return None, "exporter.optimize is not in this checkout (the optimize stage makes int4 variants)"
+    dst = work / f"ours-{quantize}-{_key(out_dir, quantize)}"
+    if (dst / "manifest.json").is_file():
+        return dst, ""
+    import shutil
+
+    log(f"  preparing our {'fused fp32' if quantize == 'none' else quantize} variant -> {dst}")
+    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=work))
+    try:
+        shutil.copytree(out_dir, tmp, dirs_exist_ok=True)
+        optimize_export(tmp, target="cpu", quantize=quantize, progress=lambda *a, **k: None)
+    except Exception as e:
+        _rmtree(tmp)
+        return None, f"optimize_export(quantize={quantize!r}) failed: {type(e).__name__}: {e}"
+    tmp.rename(dst)
+    return dst, ""
