@@ -10,11 +10,35 @@ from exporter.loading import UserError
 from graphs.manifest import ArtifactError
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the help text already says it (``default``)
+    or there is none to say (``None``, or an off switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the CLIs' error style: one ``error:`` line on stderr (no usage block), exit 2."""
+    """argparse with the CLIs' error style: one ``error:`` line on stderr (no usage block), exit 2;
+    ``--help`` shows every option's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def require_module(module: str, what: str, install: str) -> None:
+    """Fail before a run, not after it, when an optional package ``what`` needs is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"{what} needs {module}: pip install {install}")
 
 
 def run_cli(body, debug: bool = False) -> int:
@@ -30,6 +54,9 @@ def run_cli(body, debug: bool = False) -> int:
         print(f"error: {_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:
+        if isinstance(e, ImportError) and e.name == "onnxruntime":  # graphs/sessions.py: what to install
+            print(f"error: {_line(e)}", file=sys.stderr)
+            return 2
         if debug:
             traceback.print_exc()
         print(f"error: unexpected {type(e).__name__}: {_line(e)} (re-run with --debug for a traceback)",

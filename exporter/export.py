@@ -34,16 +34,23 @@ from exporter.trace import (
 )
 from graphs.manifest import Manifest
 
-# Files copied from model_dir so that the runtime can tokenize and stop without transformers.
+# Files copied from model_dir so that the runtime can tokenize and stop without transformers, and
+# other tools (AutoTokenizer, AutoConfig, GenerationConfig, chat templates) read the export directory
+# as they read the model's. config.json is written by copy_model_files (the base's, no drafter key).
 COPIED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
 )
+COPIED_DIRS = ("additional_chat_templates",)  # transformers' extra named chat templates (*.jinja)
+DRAFTER_CONFIG_KEYS = ("speculative_decoding",)  # ours, in config.json: the export's config is the base's
 EXTERNAL_DATA_BYTES = 1 << 31  # protobuf's 2 GB limit: larger graphs keep weights in one .data file
 
 
@@ -109,6 +116,22 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
         raise
     if backup is not None:
         shutil.rmtree(backup, ignore_errors=True)
+
+
+def copy_model_files(model_dir: Path, dst: Path) -> None:
+    """The tokenizer, chat template and generation files of ``model_dir``, and the base's config.json."""
+    import json
+
+    for name in COPIED_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, dst / name)
+    for name in COPIED_DIRS:
+        if (model_dir / name).is_dir():
+            shutil.copytree(model_dir / name, dst / name)
+    config = json.loads((model_dir / "config.json").read_text())
+    for key in DRAFTER_CONFIG_KEYS:
+        config.pop(key, None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _trace_one(model, role, spec, tmp: Path, opset: int) -> None:
@@ -259,6 +282,7 @@ def export(
     overwrite: bool = False,
     opset: int = OPSET,
     validate: bool = True,
+    trust_remote_code: bool = False,
     log=print,
 ) -> Manifest:
     """Export ``model_dir`` into ``out_dir``; returns the manifest written there."""
@@ -269,7 +293,7 @@ def export(
     steps = Steps(5, log)
     try:
         with steps(f"load {model_dir}"):
-            model = load_model(model_dir, drafter=drafter)
+            model = load_model(model_dir, drafter=drafter, trust_remote_code=trust_remote_code)
         traced = model if dtype == "float32" else copy.deepcopy(model).to(TORCH_DTYPES[dtype])
         specs = graph_specs(model, dtype)
         drafter_entry, tree = describe_drafter(model)
@@ -293,9 +317,7 @@ def export(
             opset=opset,
             versions=_versions(),
         )
-        for name in COPIED_FILES:
-            if (model_dir / name).is_file():
-                shutil.copy2(model_dir / name, tmp / name)
+        copy_model_files(model_dir, tmp)
         manifest.tokenizer = "tokenizer.json" if (tmp / "tokenizer.json").is_file() else None
         with steps("check ONNX Runtime against PyTorch"):
             if validate:
@@ -346,39 +368,42 @@ def _validate(model, tmp: Path, manifest: Manifest, dtype: str, log) -> None:
         )
 
 
-def default_paths() -> tuple[Path, Path]:
-    return Path("spec-demo/model"), Path("spec-demo/onnx")
-
-
 def main(argv=None) -> int:
     from exporter.cli import ArgumentParser, run_cli
 
     ap = ArgumentParser(prog="python -m exporter.export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model_dir", nargs="?", help="HF model directory (default: build the demo model)")
-    ap.add_argument("out_dir", nargs="?", help="where to write the export (must be empty or absent)")
+    ap.add_argument("model_dir", nargs="?",
+                    help="HF model directory, or a hub id (org/name) in the local HF cache; never downloads "
+                         "(default: build the demo model in spec-demo/model)")
+    ap.add_argument("out_dir", nargs="?",
+                    help="where to write the export, empty or absent (default with no model_dir: spec-demo/onnx)")
     ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3 files)")
-    ap.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
+    ap.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES), help="precision of the graphs")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
-    ap.add_argument("--opset", type=int, default=OPSET)
+    ap.add_argument("--opset", type=int, default=OPSET, help="ONNX opset of the graphs")
     ap.add_argument("--no-validate", action="store_true", help="skip the PyTorch-vs-ONNX check (not advised)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run the model's own Python code from its directory (off: only transformers' code runs)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_intermixed_args(argv)  # options may come between model_dir and out_dir
 
     def body():
-        model_dir, out_dir = args.model_dir, args.out_dir
-        if model_dir is None:
-            model_dir, default_out = default_paths()
-            out_dir = out_dir or default_out
-            if not (model_dir / "config.json").is_file():
-                from exporter.demo import build_demo_model
+        from exporter.hub import resolve_model
 
-                print(f"no model_dir given: building the demo model in {model_dir}", flush=True)
-                build_demo_model(model_dir)
+        model_dir, out_dir, overwrite = args.model_dir, args.out_dir, args.overwrite
+        if model_dir is None:
+            from exporter.demo import default_paths, prepare_demo
+
+            model_dir, default_out = default_paths()
+            out_dir = Path(out_dir or default_out)
+            overwrite = prepare_demo(model_dir, out_dir) or overwrite  # a rerun replaces its own export
         elif out_dir is None:
             raise UserError("missing out_dir: python -m exporter.export model_dir out_dir")
+        model_dir = resolve_model(model_dir)  # a directory, or org/name from the local HF cache
         t0 = time.perf_counter()
-        manifest = export(model_dir, out_dir, drafter=args.drafter, dtype=args.dtype,
-                          overwrite=args.overwrite, opset=args.opset, validate=not args.no_validate)
+        manifest = export(model_dir, out_dir, drafter=args.drafter, dtype=args.dtype, overwrite=overwrite,
+                          opset=args.opset, validate=not args.no_validate,
+                          trust_remote_code=args.trust_remote_code)
         graphs = ", ".join(manifest.graphs[r].file for r in TRACED_ROLES if r in manifest.graphs)
         print(f"exported {graphs} to {out_dir} in {time.perf_counter() - t0:.1f} s")
         return 0
