@@ -196,8 +196,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
+        from exporter.cli import require_module
         from graphs.sessions import use_shared_thread_pool
 
+        if args.png:  # say so before the run, not after it
+            require_module("matplotlib", "--png", "'specexport[plot]' (or matplotlib)")
         use_shared_thread_pool(args.threads)  # one ORT pool for base, draft and K/V sessions
         tree = None
         if args.tree:
