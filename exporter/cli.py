@@ -35,10 +35,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def require_module(module: str, what: str, install: str) -> None:
     """Fail before a run, not after it, when an optional package ``what`` needs is missing."""
-    import importlib.util
+    import importlib
 
-    if importlib.util.find_spec(module) is None:
-        raise UserError(f"{what} needs {module}: pip install {install}")
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{what} needs {module}: pip install {install}") from None
 
 
 def run_cli(body, debug: bool = False) -> int:
