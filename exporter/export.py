@@ -377,7 +377,8 @@ def main(argv=None) -> int:
                          "(default: build the demo model in spec-demo/model)")
     ap.add_argument("out_dir", nargs="?",
                     help="where to write the export, empty or absent (default with no model_dir: spec-demo/onnx)")
-    ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3 files)")
+    ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3 files) "
+                                      "(default: the drafter saved in model_dir, if any)")
     ap.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES), help="precision of the graphs")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
     ap.add_argument("--opset", type=int, default=OPSET, help="ONNX opset of the graphs")

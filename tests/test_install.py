@@ -149,8 +149,9 @@ def test_png_without_matplotlib_fails_before_the_run(tmp_path, exported):
 def installed(tmp_path_factory) -> Path:
     """``pip install --no-deps --target`` of this checkout (a wheel build, as from PyPI)."""
     target = tmp_path_factory.mktemp("site-packages")
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check",
-                           "--target", str(target), str(REPO)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet",
+                           "--disable-pip-version-check", "--target", str(target), str(REPO)],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return target
 
