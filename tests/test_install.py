@@ -148,9 +148,15 @@ def test_png_without_matplotlib_fails_before_the_run(tmp_path, exported):
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """``pip install --no-deps --target`` of this checkout (a wheel build, as from PyPI)."""
+    import shutil
+
+    # build from a copy: pip builds in the source tree, and a stale build/ there must not leak in
+    src = tmp_path_factory.mktemp("src") / "specexport"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
+                                                              "spec-demo", "runs", ".*_cache"))
     target = tmp_path_factory.mktemp("site-packages")
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet",
-                           "--disable-pip-version-check", "--target", str(target), str(REPO)],
+                           "--disable-pip-version-check", "--target", str(target), str(src)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return target
@@ -190,3 +196,18 @@ def test_non_editable_install_runs_the_main_command_twice(installed, tmp_path):
     assert second.returncode == 0, second.stderr
     assert "reusing the demo model in spec-demo/model" in second.stdout
     assert "replacing the earlier demo export in spec-demo/onnx" in second.stdout
+
+
+def test_the_packages_never_import_samples_or_tests():
+    """``samples/`` and ``tests/`` are not installed: nothing in exporter/ or graphs/ may import them."""
+    import ast
+
+    bad = []
+    for pkg in ("exporter", "graphs"):
+        for f in sorted((REPO / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                bad += [f"{f.relative_to(REPO)}: {n}" for n in names if n.partition(".")[0] in ("samples", "tests",
+                                                                                                  "tiny", "conftest")]
+    assert not bad, bad
