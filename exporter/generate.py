@@ -11,6 +11,7 @@ stats line (mean accepted length, tokens/s, time in draft / verify / host code).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -64,10 +65,12 @@ def main(argv=None) -> int:
         if decoder.tokenizer is None:
             raise ValueError(f"{args.out_dir} has no tokenizer.json; use graphs.load(...).generate(token_ids)")
         used = decoder.resolve(params)
+        events = decoder.stream(args.prompt, params)
+        first = next(events)  # the run checks prompt, tree, ... here: an error is the only line printed
         print(f"[generation: {used.describe()}]", file=sys.stderr, flush=True)
         sys.stdout.write(args.prompt)
         tokens, text, stats, finish = [], [], None, None
-        for event in decoder.stream(args.prompt, params):
+        for event in itertools.chain([first], events):
             tokens += event.token_ids
             text.append(event.text)
             sys.stdout.write(event.text)
