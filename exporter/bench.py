@@ -331,17 +331,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
+        from exporter.cli import require_module
+        from graphs.sessions import use_shared_thread_pool
+
         for flag, path in (("--json", args.json), ("--png", args.png)):
             if path:
                 check_writable(path, flag)
         if args.png:  # say so before the run, not after it
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise UserError("--png needs matplotlib: pip install matplotlib") from None
+            require_module("matplotlib", "--png", "'specexport[plot]' (or matplotlib)")
         if args.variants:
             from exporter import variants
-            from graphs.sessions import use_shared_thread_pool
 
             use_shared_thread_pool(args.threads)  # one ORT pool for base, draft and K/V sessions
             report = variants.run_variants(args.out_dir, _csv(args.variants), max_new_tokens=args.max_new_tokens,

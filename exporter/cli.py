@@ -22,11 +22,37 @@ from graphs.errors import InputError
 USER_ERRORS = (UserError, InputError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the help text already says it (``default``)
+    or there is none to say (``None``, or an off switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the CLIs' error style: one ``error:`` line on stderr (no usage block), exit 2."""
+    """argparse with the CLIs' error style: one ``error:`` line on stderr (no usage block), exit 2;
+    ``--help`` shows every option's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def require_module(module: str, what: str, install: str) -> None:
+    """Fail before a run, not after it, when an optional package ``what`` needs is missing."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{what} needs {module}: pip install {install}") from None
 
 
 class Terminated(KeyboardInterrupt):
@@ -74,6 +100,9 @@ def run_cli(body, debug: bool = False) -> int:
         print(f"error: {_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:
+        if isinstance(e, ImportError) and e.name == "onnxruntime":  # graphs/sessions.py: what to install
+            print(f"error: {_line(e)}", file=sys.stderr)
+            return 2
         traceback.print_exc()  # not bad input: a bug, and its traceback is what a report needs
         print(f"error: internal error {type(e).__name__}: {_line(e)} (this is a bug; please report it with the "
               f"traceback above)", file=sys.stderr)

@@ -412,9 +412,9 @@ def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m exporter.compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", help="the model directory that was exported")
     ap.add_argument("out_dir", help="the export directory (holds manifest.json)")
-    ap.add_argument("--drafter", help="the drafter file passed to export, if any")
-    ap.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--json", help="also write the report as JSON to this file")
+    ap.add_argument("--drafter", help="the drafter file passed to export, if any (default: none)")
+    ap.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="ONNX Runtime execution provider")
+    ap.add_argument("--json", help="also write the report as JSON to this file (default: none)")
     ap.add_argument("--e2e", action="store_true",
                     help="end to end: greedy tokens of PyTorch vs the runtime (speculative and autoregressive)")
     ap.add_argument("--prompt", action="append", help="prompt for --e2e (repeatable; default: built-in prompts)")

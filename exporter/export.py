@@ -36,16 +36,23 @@ from exporter.trace import (
 )
 from graphs.manifest import Manifest
 
-# Files copied from model_dir so that the runtime can tokenize and stop without transformers.
+# Files copied from model_dir so that the runtime can tokenize and stop without transformers, and
+# other tools (AutoTokenizer, AutoConfig, GenerationConfig, chat templates) read the export directory
+# as they read the model's. config.json is written by copy_model_files (the base's, no drafter key).
 COPIED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
 )
+COPIED_DIRS = ("additional_chat_templates",)  # transformers' extra named chat templates (*.jinja)
+DRAFTER_CONFIG_KEYS = ("speculative_decoding",)  # ours, in config.json: the export's config is the base's
 EXTERNAL_DATA_BYTES = 1 << 31  # protobuf's 2 GB limit: larger graphs keep weights in one .data file
 
 
@@ -74,6 +81,23 @@ class _Step:
         dt = time.perf_counter() - self.t0
         self.log(f"{self.label} {'done' if exc_type is None else 'FAILED'} in {dt:.1f} s", flush=True)
         return False
+
+
+def copy_export_files(model_dir: Path, dst: Path) -> None:
+    """The tokenizer, chat template and generation files of ``model_dir``, and the base's config.json
+    (without our drafter key), so that HF loaders read the export directory as they read a model's."""
+    import json
+
+    copy_model_files(model_dir, dst, COPIED_FILES)  # regular files only; links must stay in model_dir
+    for name in COPIED_DIRS:
+        src = model_dir / name
+        if src.is_dir() and not src.is_symlink():
+            (dst / name).mkdir()
+            copy_model_files(src, dst / name, sorted(p.name for p in src.iterdir() if not p.is_dir()))
+    config = json.loads((model_dir / "config.json").read_text())
+    for key in DRAFTER_CONFIG_KEYS:
+        config.pop(key, None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _trace_one(model, role, spec, tmp: Path, opset: int) -> None:
@@ -224,6 +248,7 @@ def export(
     overwrite: bool = False,
     opset: int = OPSET,
     validate: bool = True,
+    trust_remote_code: bool = False,
     log=print,
     overwrite_non_export: bool = False,
 ) -> Manifest:
@@ -239,16 +264,17 @@ def export(
     target = OutDir(out_dir, overwrite=overwrite, overwrite_non_export=overwrite_non_export,
                     inputs=[model_dir] + ([Path(drafter)] if drafter else []))
     with signals_as_interrupt():  # SIGTERM cleans up as Ctrl-C does
-        return _export(target, model_dir, out_dir, drafter, dtype, opset, validate, log)
+        return _export(target, model_dir, out_dir, drafter, dtype, opset, validate, trust_remote_code, log)
 
 
-def _export(target: OutDir, model_dir: Path, out_dir: Path, drafter, dtype, opset, validate, log) -> Manifest:
+def _export(target: OutDir, model_dir: Path, out_dir: Path, drafter, dtype, opset, validate, trust_remote_code,
+            log) -> Manifest:
     tmp = target.open()
     steps = Steps(5, log)
     try:
         with steps(f"load {model_dir}"):
             check_export_inputs(model_dir, COPIED_FILES)  # generation_config.json, tokenizer.json: before any tracing
-            model = load_model(model_dir, drafter=drafter)
+            model = load_model(model_dir, drafter=drafter, trust_remote_code=trust_remote_code)
         traced = model if dtype == "float32" else copy.deepcopy(model).to(TORCH_DTYPES[dtype])
         specs = graph_specs(model, dtype)
         drafter_entry, tree = describe_drafter(model)
@@ -272,7 +298,7 @@ def _export(target: OutDir, model_dir: Path, out_dir: Path, drafter, dtype, opse
             opset=opset,
             versions=_versions(),
         )
-        copy_model_files(model_dir, tmp, COPIED_FILES)  # regular files only; links must stay in model_dir
+        copy_export_files(model_dir, tmp)
         manifest.tokenizer = "tokenizer.json" if (tmp / "tokenizer.json").is_file() else None
         with steps("check ONNX Runtime against PyTorch"):
             if validate:
@@ -321,23 +347,25 @@ def _validate(model, tmp: Path, manifest: Manifest, dtype: str, log) -> None:
         )
 
 
-def default_paths() -> tuple[Path, Path]:
-    return Path("spec-demo/model"), Path("spec-demo/onnx")
-
-
 def main(argv=None) -> int:
     from exporter.cli import ArgumentParser, run_cli
 
     ap = ArgumentParser(prog="python -m exporter.export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model_dir", nargs="?", help="HF model directory (default: build the demo model)")
-    ap.add_argument("out_dir", nargs="?", help="where to write the export (must be empty or absent)")
-    ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3 files)")
-    ap.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
+    ap.add_argument("model_dir", nargs="?",
+                    help="HF model directory, or a hub id (org/name) in the local HF cache; never downloads "
+                         "(default: build the demo model in spec-demo/model)")
+    ap.add_argument("out_dir", nargs="?",
+                    help="where to write the export, empty or absent (default with no model_dir: spec-demo/onnx)")
+    ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3 files) "
+                                      "(default: the drafter saved in model_dir, if any)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES), help="precision of the graphs")
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier export in out_dir")
     ap.add_argument("--overwrite-non-export", metavar="OUT_DIR",
                     help="replace out_dir whatever it holds (deletes it); must repeat out_dir")
-    ap.add_argument("--opset", type=int, default=OPSET)
+    ap.add_argument("--opset", type=int, default=OPSET, help="ONNX opset of the graphs")
     ap.add_argument("--no-validate", action="store_true", help="skip the PyTorch-vs-ONNX check (not advised)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run the model's own Python code from its directory (off: only transformers' code runs)")
     ap.add_argument("--optimize", action="store_true", help="then run python -m exporter.optimize on the export")
     from exporter.optimize import add_arguments, options_from_args
 
@@ -346,23 +374,24 @@ def main(argv=None) -> int:
     args = ap.parse_intermixed_args(argv)  # options may come between model_dir and out_dir
 
     def body():
-        model_dir, out_dir = args.model_dir, args.out_dir
-        if model_dir is None:
-            model_dir, default_out = default_paths()
-            out_dir = out_dir or default_out
-            if not (model_dir / "config.json").is_file():
-                from exporter.demo import build_demo_model
+        from exporter.hub import resolve_model
 
-                print(f"no model_dir given: building the demo model in {model_dir}", flush=True)
-                build_demo_model(model_dir)
+        model_dir, out_dir, overwrite = args.model_dir, args.out_dir, args.overwrite
+        if model_dir is None:
+            from exporter.demo import default_paths, prepare_demo
+
+            model_dir, default_out = default_paths()
+            out_dir = Path(out_dir or default_out)
+            overwrite = prepare_demo(model_dir, out_dir) or overwrite  # a rerun replaces its own export
         elif out_dir is None:
             raise UserError("missing out_dir: python -m exporter.export model_dir out_dir")
         force = args.overwrite_non_export
         if force is not None and Path(force).absolute() != Path(out_dir).absolute():
             raise UserError(f"--overwrite-non-export must repeat out_dir ({out_dir}), got {force}")
+        model_dir = resolve_model(model_dir)  # a directory, or org/name from the local HF cache
         t0 = time.perf_counter()
-        manifest = export(model_dir, out_dir, drafter=args.drafter, dtype=args.dtype,
-                          overwrite=args.overwrite, opset=args.opset, validate=not args.no_validate,
+        manifest = export(model_dir, out_dir, drafter=args.drafter, dtype=args.dtype, overwrite=overwrite,
+                          opset=args.opset, validate=not args.no_validate, trust_remote_code=args.trust_remote_code,
                           overwrite_non_export=force is not None)
         graphs = ", ".join(manifest.graphs[r].file for r in TRACED_ROLES if r in manifest.graphs)
         print(f"exported {graphs} to {out_dir} in {time.perf_counter() - t0:.1f} s")

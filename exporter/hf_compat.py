@@ -20,7 +20,7 @@ TRANSFORMERS_VERSION = transformers.__version__
 MIN_VERSION = "4.57"  # the oldest line the test suite runs on (CI: a cross-version subset)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_kwarg_name(cls: type) -> str:
     """``"cache"`` or ``"past_key_values"``: the keyword ``cls.forward`` takes its cache under."""
     fn = inspect.unwrap(cls.forward)

@@ -11,10 +11,10 @@ inputs): per step one small graph run, no host copy of K/V. Only token ids, posi
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 
 from graphs import contract as C
 from graphs.kv import Columns
+from graphs.sessions import ort  # the one import of onnxruntime: missing, it is a one-line error
 
 
 class DeviceKVCache(Columns):

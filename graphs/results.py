@@ -64,6 +64,8 @@ class StreamEvent:
     index: int  # which prompt of the batch
     token_ids: list[int]  # tokens accepted this step
     text: str  # their text ("" without a tokenizer)
+    finish_reason: str | None = None  # on the sequence's last event: "eos" | "stop" | "length"
+    stats: Stats | None = None  # on the run's last event: the final stats of the whole batch
 
 
 class Sampler:

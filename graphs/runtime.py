@@ -29,10 +29,11 @@ import numpy as np
 
 from graphs import contract as C
 from graphs.device import DeviceKVCache, run_bound
-from graphs.errors import InputError, InputTypeError, as_input_error
+from graphs.errors import InputError, as_input_error
 from graphs.kv import KVCache
 from graphs.limits import check_eagle_tree, check_medusa_tree
 from graphs.manifest import Manifest
+from graphs.params import GenerationParams, Resolved, check_prompt
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
 from graphs.schema import check_session, load_graph
 from graphs.sessions import make_session, resolve_provider, warn_if_other_target
@@ -54,16 +55,19 @@ class _Seq:
     done: str | None = None
     text: str = ""
     streamed: str = ""  # the part of ``text`` already yielded by stream()
+    detok: object = None  # tokenizers.decoders.DecodeStream: text in O(new tokens) per step
 
 
 class Decoder:
     """Sessions built once from ``manifest.json``; ``generate``/``stream`` run the decode loop."""
 
     def __init__(self, out_dir, provider: str = "auto", threads: int | None = None,
-                 optimization: str = "all", verify: bool = True, io_binding: bool | None = None):
+                 optimization: str = "all", verify: bool = True, io_binding: bool | None = None,
+                 device_id: int = 0, session_options=None, provider_options: dict | None = None):
         self.out_dir = Path(out_dir)
         self.manifest = Manifest.read(self.out_dir, verify=verify)
         self.provider = resolve_provider(provider)
+        self.device_id = device_id
         m = self.manifest
         warn_if_other_target(m.optimization, self.provider, str(out_dir))
         dtype = m.graphs["base"].output(C.LOGITS).dtype
@@ -84,7 +88,8 @@ class Decoder:
             spec = m.graphs.get(role)
             if spec is None:
                 return None
-            sess = load_graph(make_session, self.out_dir / spec.file, self.provider, threads, optimization)
+            sess = load_graph(make_session, self.out_dir / spec.file, self.provider, threads, optimization,
+                              device_id, session_options, provider_options)
             check_session(spec, sess, role)  # the file's own inputs/outputs are the manifest's
             return sess
 
@@ -108,17 +113,24 @@ class Decoder:
 
             self.tokenizer = Tokenizer.from_file(str(self.out_dir / m.tokenizer))
         self.default_tree = m.tree
+        # generation_config.json (copied at export): its sampling defaults are this decoder's defaults
+        gen_file = self.out_dir / "generation_config.json"
+        self.generation_defaults = (GenerationParams.from_generation_config(gen_file) if gen_file.is_file()
+                                    else GenerationParams())
+        # its eos list is already the manifest's (export reads it there): self.eos is the one default
+        self.generation_defaults.eos_token_id = None
         self._base_host = [t.name for t in self.base_spec.outputs if not t.name.startswith("present.")]
         self._n_layers = m.source["num_layers"]
         self.last_stats: Stats | None = None  # of the last generate/stream run
 
     # ------------------------------------------------------------------ public API
 
-    def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, stop=None, mode: str = "auto", tree=None, acceptance: str = "lossless",
-                 seed: int | None = None):
+    def generate(self, prompt, params: GenerationParams | None = None, **overrides):
         """Decode ``prompt`` (a string, a list of token ids, or a list of either for a batch).
 
+        ``params``: a :class:`graphs.params.GenerationParams`; keyword ``overrides`` (its field names,
+        e.g. ``max_new_tokens=64, temperature=0.7, stop="\n\n"``) go on top. Unset fields take the
+        export's ``generation_config.json`` values, else the defaults (greedy, 64 new tokens).
         Returns a :class:`GenerationResult` (a list of them for a batch); ``stats`` are shared by
         the batch. ``mode``: "auto" (speculative if the export has a drafter), "speculative",
         "autoregressive". ``tree``: Medusa paths (list or JSON file) or EAGLE
@@ -128,22 +140,28 @@ class Decoder:
         """
         batched = _is_batch(prompt)
         seqs, stats = None, None
-        for event in self._run(prompt, max_new_tokens, temperature, top_p, top_k, stop, mode, tree,
-                               acceptance, seed):
+        for event in self._run(prompt, self.resolve(params, **overrides)):
             if isinstance(event, tuple):
                 seqs, stats = event
-        results = [GenerationResult(s.tokens, self._decode(s.tokens) if self.tokenizer else None,
-                                    s.done or "length", stats) for s in seqs]
-        for r, s in zip(results, seqs):
-            if s.done == "stop":
-                r.text = s.text
+        results = [GenerationResult(s.tokens, s.text if self.tokenizer else None, s.done or "length", stats)
+                   for s in seqs]
         return results if batched else results[0]
 
-    def stream(self, prompt, **kwargs) -> Iterator[StreamEvent]:
-        """Yield :class:`StreamEvent` as tokens are accepted (same arguments as :meth:`generate`)."""
-        for event in self._run(prompt, **_stream_defaults(kwargs)):
+    def stream(self, prompt, params: GenerationParams | None = None, **overrides) -> Iterator[StreamEvent]:
+        """Yield :class:`StreamEvent` as tokens are accepted (same arguments as :meth:`generate`).
+
+        A sequence's last event has its ``finish_reason``; the run's last event carries ``stats``."""
+        for event in self._run(prompt, self.resolve(params, **overrides)):
             if isinstance(event, StreamEvent):
                 yield event
+
+    def resolve(self, params: GenerationParams | None = None, **overrides) -> Resolved:
+        """The values a run with these arguments uses: explicit ones, else generation_config.json's,
+        else the defaults (``.describe()`` says which came from where)."""
+        r = GenerationParams.build(params, **overrides).resolve(self.generation_defaults)
+        if r.eos_token_ids is None:  # the manifest's (from generation_config.json or config.json at export)
+            r.eos_token_ids, r.sources["eos_token_id"] = sorted(self.eos), "manifest"
+        return r
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -155,15 +173,10 @@ class Decoder:
 
     # ------------------------------------------------------------------ the loop
 
-    def _prepare(self, prompt, max_new_tokens, mode):
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        prompts = prompt if _is_batch(prompt) else [prompt]
-        if not prompts:
-            raise InputError("empty batch: pass at least one prompt")
+    def _prepare(self, prompt, mode):
         ids = []
-        for p in prompts:
-            toks = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        for p in check_prompt(prompt):
+            toks = self.encode(p) if isinstance(p, str) else p
             if not toks:
                 raise InputError("empty prompt: pass at least one token of text")
             if len(toks) >= self.max_positions:
@@ -184,37 +197,47 @@ class Decoder:
             raise InputError(f"{self.out_dir} has no draft graph: use mode='autoregressive' or export a drafter")
         return [_Seq(prompt=t) for t in ids], mode
 
-    def _run(self, prompt, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0, stop=None, mode="auto",
-             tree=None, acceptance="lossless", seed=None):
-        seqs, mode = self._prepare(prompt, max_new_tokens, mode)
-        if acceptance not in ("lossless", "typical"):
-            raise InputError(f"unknown acceptance {acceptance!r}; accepted: lossless, typical")
-        if acceptance == "typical" and self.kind != "medusa":
+    def _run(self, prompt, p: Resolved):
+        seqs, mode = self._prepare(prompt, p.mode)
+        if p.acceptance == "typical" and self.kind != "medusa":
             raise InputError("typical acceptance is Medusa's; EAGLE drafts use lossless acceptance" if self.kind else
                              f"typical acceptance needs a Medusa drafter; {self.out_dir} has none (base only, "
                              f"autoregressive): drop acceptance='typical'")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if p.stop_strings and self.tokenizer is None:
+            raise InputError(f"{self.out_dir} has no tokenizer.json, so stop strings cannot be matched; "
+                             f"drop stop_strings or use eos_token_id")
+        max_new_tokens = p.new_tokens_for(max(len(s.prompt) for s in seqs))
+        eos = set(self.eos if p.eos_token_ids is None else p.eos_token_ids)
+        if self.tokenizer is not None:
+            from tokenizers.decoders import DecodeStream
+
+            for s in seqs:
+                s.detok = DecodeStream(skip_special_tokens=True)
         self._capacity = self._device_capacity(seqs, max_new_tokens)
-        rng = np.random.default_rng(seed)
-        sampler = Sampler(temperature, top_p, top_k, rng, acceptance)
+        rng = np.random.default_rng(p.seed)
+        sampler = Sampler(p.temperature, p.top_p, p.top_k, rng, p.acceptance)
         stats = Stats(prompt_tokens=sum(len(s.prompt) for s in seqs))
         self.last_stats = stats  # filled in as the run goes (also when a stream is left early)
         t_start = time.perf_counter()
         steps = {"autoregressive": self._autoregressive, "speculative": self._speculative}[mode]
-        for emitted in steps(seqs, sampler, stats, tree, max_new_tokens):
-            for b, toks in emitted:
-                event = self._emit(seqs[b], b, toks, max_new_tokens, stops)
-                if event is not None:
-                    yield event
+        for emitted in steps(seqs, sampler, stats, p.tree, max_new_tokens):
+            events = [self._emit(seqs[b], b, toks, max_new_tokens, p.stop_strings, eos) for b, toks in emitted]
+            events = [e for e in events if e is not None]
             stats.time_total = time.perf_counter() - t_start
-            if all(s.done for s in seqs):
+            finished = all(s.done for s in seqs)
+            if finished:  # the run's last event carries its final stats
+                stats.new_tokens = sum(len(s.tokens) for s in seqs)
+                if events:
+                    events[-1].stats = stats
+            yield from events
+            if finished:
                 break
         stats.time_total = time.perf_counter() - t_start
         stats.new_tokens = sum(len(s.tokens) for s in seqs)
         self.last_stats = stats
         yield seqs, stats
 
-    def _emit(self, seq: _Seq, b: int, toks: list[int], max_new: int, stops: list[str]):
+    def _emit(self, seq: _Seq, b: int, toks: list[int], max_new: int, stops: list[str], eos: set):
         if seq.done:
             return None
         # a sequence may fill the context: its last token sits at position max_positions - 1 and is
@@ -222,36 +245,38 @@ class Decoder:
         room = min(max_new, self.max_positions - len(seq.prompt)) - len(seq.tokens)
         toks = toks[: max(room, 0)]
         for i, t in enumerate(toks):
-            if t in self.eos:
+            if t in eos:
                 toks, seq.done = toks[: i + 1], "eos"
                 break
-        if self.tokenizer is not None and stops:
-            # a stop string: keep the tokens up to the one that completes it (as one-token steps would)
-            start = max(0, len(seq.text.rstrip("\ufffd")) - max(map(len, stops)))
-            if _find_stop(self._decode(seq.tokens + toks), stops, start) is not None:
-                for k in range(1, len(toks) + 1):
-                    text = self._decode(seq.tokens + toks[:k])
-                    cut = _find_stop(text, stops, start)
-                    if cut is not None:
-                        toks, seq.done, seq.text = toks[:k], "stop", text[:cut]
-                        break
+        if seq.detok is not None:
+            # text grows token by token (tokenizers' DecodeStream: O(new tokens), never the whole
+            # sequence again); a stop string keeps the tokens up to the one that completes it
+            longest = max(map(len, stops), default=0)
+            for k, t in enumerate(toks):
+                start = max(0, len(seq.text) - longest)
+                seq.text += seq.detok.step(self.tokenizer, t) or ""  # None: a character still incomplete
+                cut = _find_stop(seq.text, stops, start) if stops else None
+                if cut is not None:
+                    toks, seq.done, seq.text = toks[: k + 1], "stop", seq.text[:cut]
+                    break
         seq.tokens.extend(toks)
-        if self.tokenizer is not None and seq.done != "stop":
-            seq.text = self._decode(seq.tokens)
         if not seq.done and len(seq.tokens) >= max_new:
             seq.done = "length"
         if not seq.done and len(seq.prompt) + len(seq.tokens) >= self.max_positions:
             seq.done = "length"
-        # stream text that can no longer change: hold back a trailing partial character (U+FFFD) and
-        # the last characters that may begin a stop string, until the sequence is done
+        if seq.done and seq.done != "stop" and seq.detok is not None:
+            seq.text = self._decode(seq.tokens)  # once at the end: a trailing partial character shows as U+FFFD
+        # stream text that can no longer change: hold back the last characters that may begin a stop
+        # string, until the sequence is done (DecodeStream already holds back partial characters)
         visible = seq.text
-        if not seq.done:
-            visible = visible.rstrip("\ufffd")
-            visible = visible[: max(0, len(visible) - max(map(len, stops), default=1) + 1)]
+        if not seq.done and stops:
+            visible = visible[: max(0, len(visible) - max(map(len, stops)) + 1)]
         new_text = ""
         if visible.startswith(seq.streamed):  # (else decoding changed streamed text: nothing to add)
             new_text, seq.streamed = visible[len(seq.streamed):], visible
-        return StreamEvent(index=b, token_ids=toks, text=new_text) if toks or new_text else None
+        if toks or new_text or seq.done:
+            return StreamEvent(index=b, token_ids=toks, text=new_text, finish_reason=seq.done)
+        return None
 
     # ------------------------------------------------------------------ graph calls
 
@@ -268,7 +293,7 @@ class Decoder:
         (OrtValues); otherwise everything is numpy and the past buffers are fed without a copy.
         """
         if self.io_binding:
-            return run_bound(session, spec, feed, kv, host, self.provider)
+            return run_bound(session, spec, feed, kv, host, self.provider, self.device_id)
         names = host + [t.name for t in spec.outputs if t.name.startswith("present.")]
         return dict(zip(names, session.run(names, feed | kv.feed())))
 
@@ -285,7 +310,7 @@ class Decoder:
         if self.io_binding:
             update = self.draft_kv_update if draft else self.kv_update
             return DeviceKVCache(update, layers, batch, kv_heads, head_dim, self.dtype, device=self.provider,
-                                 capacity=self._capacity)
+                                 device_id=self.device_id, capacity=self._capacity)
         return KVCache(layers, batch, kv_heads, head_dim, self.dtype)
 
     def _prefill(self, seqs, stats):
@@ -554,23 +579,21 @@ def _pad_mask(mask: np.ndarray, n: int) -> np.ndarray:
 
 
 def _is_batch(prompt) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], (int, np.integer))
-
-
-def _stream_defaults(kwargs: dict) -> dict:
-    allowed = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "mode", "tree", "acceptance", "seed"}
-    bad = set(kwargs) - allowed
-    if bad:
-        raise InputTypeError(f"unknown argument(s) {sorted(bad)}; accepted: {sorted(allowed)}")
-    return kwargs
+    return (isinstance(prompt, (list, tuple)) and bool(prompt)
+            and not isinstance(prompt[0], (int, float, np.integer, np.floating)))
 
 
 def load(out_dir, provider: str = "auto", threads: int | None = None, optimization: str = "all",
-         verify: bool = True, io_binding: bool | None = None) -> Decoder:
+         verify: bool = True, io_binding: bool | None = None, device_id: int = 0, session_options=None,
+         provider_options: dict | None = None) -> Decoder:
     """Build a :class:`Decoder` from an export directory (checks every file's sha256 first).
 
     ``provider``: "auto" (CUDA EP when onnxruntime-gpu sees a GPU, else CPU EP), "cuda", "cpu".
     ``io_binding``: keep K/V on the device and update it in place (default: on for CUDA).
+    ``device_id``: which GPU (CUDA EP). ``session_options``: an ``onnxruntime.SessionOptions`` used
+    as given, or a dict of its attributes / session config entries applied on top of ours.
+    ``provider_options``: options of the execution provider (e.g. CUDA's ``gpu_mem_limit``).
     """
     return Decoder(out_dir, provider=provider, threads=threads, optimization=optimization, verify=verify,
-                   io_binding=io_binding)
+                   io_binding=io_binding, device_id=device_id, session_options=session_options,
+                   provider_options=provider_options)

@@ -5,9 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import onnxruntime as ort
+try:
+    import onnxruntime as ort
+except ImportError as e:  # one line that says what to install, not a traceback into our modules
+    raise ImportError(
+        "graphs needs ONNX Runtime: pip install 'specexport[cpu]' (or onnxruntime) for the CPU, or "
+        "'specexport[gpu]' (onnxruntime-gpu) for CUDA -- one of the two, never both",
+        name="onnxruntime",
+    ) from e
 
-from graphs.errors import InputError
+from graphs.errors import InputError, InputTypeError
 
 _LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -67,8 +74,27 @@ def make_session(
     threads: int | None = None,
     optimization: str = "all",
     device_id: int = 0,
+    session_options=None,
+    provider_options: dict | None = None,
 ) -> ort.InferenceSession:
-    """One session for one graph file; built once per decoder, never per step."""
+    """One session for one graph file; built once per decoder, never per step.
+
+    ``session_options``: an ``ort.SessionOptions`` used as given (the caller owns threads and
+    optimization then), or a dict applied on top of ours: keys that are ``SessionOptions``
+    attributes (``intra_op_num_threads``, ``enable_profiling``, ...) are set, any other key is a
+    session config entry (``"session.intra_op.allow_spinning": "1"``). ``provider_options``: the
+    execution provider's own options, merged over ``{"device_id": device_id}`` on CUDA.
+    """
+    if isinstance(session_options, ort.SessionOptions):
+        opts = session_options
+    else:
+        opts = default_session_options(threads, optimization)
+        apply_session_options(opts, session_options or {})
+    providers = provider_list(resolve_provider(provider), device_id, provider_options)
+    return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+
+
+def default_session_options(threads: int | None = None, optimization: str = "all") -> ort.SessionOptions:
     opts = ort.SessionOptions()
     if optimization not in _LEVELS:
         raise InputError(f"unknown optimization level {optimization!r}; accepted: {', '.join(_LEVELS)}")
@@ -82,13 +108,38 @@ def make_session(
         # (the decoder alternates draft, verify and K/V update): don't spin.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
-    provider = resolve_provider(provider)
-    providers = (
-        [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
-        if provider == "cuda"
-        else ["CPUExecutionProvider"]
-    )
-    return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+    return opts
+
+
+def apply_session_options(opts: ort.SessionOptions, options: dict) -> ort.SessionOptions:
+    if not isinstance(options, dict):
+        raise InputTypeError(f"session_options must be an onnxruntime.SessionOptions or a dict, got "
+                        f"{type(options).__name__}")
+    for key, value in options.items():
+        if hasattr(ort.SessionOptions, key):
+            if key == "intra_op_num_threads" and _POOL_THREADS:
+                opts.use_per_session_threads = True  # the caller's own pool for this session
+            try:
+                setattr(opts, key, value)
+            except (TypeError, AttributeError) as e:
+                raise InputError(f"session option {key}={value!r}: {e}") from None
+        else:
+            opts.add_session_config_entry(str(key), str(value))
+    return opts
+
+
+def provider_list(provider: str, device_id: int = 0, provider_options: dict | None = None) -> list:
+    """The ``providers`` argument of ``ort.InferenceSession`` for a resolved provider name."""
+    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+        raise InputError(f"device_id must be an int >= 0 (which GPU), got {device_id!r}")
+    if provider_options is not None and not isinstance(provider_options, dict):
+        raise InputTypeError(f"provider_options must be a dict, got {type(provider_options).__name__}")
+    if provider == "cuda":
+        return [("CUDAExecutionProvider", {"device_id": device_id, **(provider_options or {})}),
+                "CPUExecutionProvider"]
+    if provider_options:
+        return [("CPUExecutionProvider", dict(provider_options))]
+    return ["CPUExecutionProvider"]
 
 
 _WARNED_TARGETS: set[tuple[str, str]] = set()

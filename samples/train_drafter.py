@@ -24,7 +24,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: python samples/train_drafter.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from samples.demo_model import MODES, Clock, DemoSpec, build_demo_model
+from exporter.demo_model import MODES, Clock, DemoSpec, build_demo_model
 
 
 def train_for_base(base_dir, out_dir, mode: str, spec: DemoSpec, data: str = "distill", seed: int = 0,
@@ -33,9 +33,9 @@ def train_for_base(base_dir, out_dir, mode: str, spec: DemoSpec, data: str = "di
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
+    from exporter import demo_model as dm
     from exporter.speculative import convert
     from exporter.speculative.checkpoint import huggingface_checkpointing_disabled
-    from samples import demo_model as dm
 
     clock = Clock(log)
     base_dir, out_dir = Path(base_dir), Path(out_dir)

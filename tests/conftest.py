@@ -61,8 +61,9 @@ def write_tiny_tokenizer(model_dir: Path, vocab_size: int = 256) -> None:
 
 def build_tiny_model(model_type: str = "llama", kind: str = "medusa", seed: int = 0, **overrides):
     """A tiny random ``model_type`` model converted with the drafter of ``kind`` (float32, eval)."""
+    from tiny import tiny_model
+
     from exporter.speculative import convert
-    from exporter.tiny import tiny_model
 
     model = tiny_model(model_type, seed=seed, **overrides)
     if DRAFTERS[kind] is not None:

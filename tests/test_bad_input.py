@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from tiny import tiny_config, tiny_model
 
 from exporter.speculative import EagleConfig, MedusaConfig, convert, is_converted, load_drafter, save_drafter
-from exporter.tiny import tiny_config, tiny_model
 
 
 @pytest.fixture

@@ -41,8 +41,9 @@ def eagle3_model(aux_ids=None):
     """The fixtures' tiny EAGLE-3 model, or the same with other aux layer ids."""
     if aux_ids is None:
         return build_tiny_model("llama", "eagle3")
-    from exporter.speculative import convert
     from exporter.tiny import tiny_model
+
+    from exporter.speculative import convert
 
     kind, cfg = DRAFTERS["eagle3"]
     model = tiny_model("llama", seed=0)

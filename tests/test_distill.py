@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from exporter.speculative import DraftCollator, DraftDataset, convert, self_distill
-from exporter.tiny import tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [3]]  # different lengths: the batch is left-padded
 

@@ -348,7 +348,7 @@ def test_without_tokenizer_files_nothing_is_copied(tiny_model_dir, tmp_path):
     manifest = export(model_dir, tmp_path / "onnx", validate=False, log=lambda *a, **k: None)
     assert manifest.tokenizer is None and manifest.validation == {"ok": None, "skipped": "--no-validate"}
     written = sorted(p.name for p in (tmp_path / "onnx").iterdir())
-    assert written == ["base.onnx", "draft.onnx", "kv_update.onnx", "manifest.json"]
+    assert written == ["base.onnx", "config.json", "draft.onnx", "kv_update.onnx", "manifest.json"]
     assert manifest.generation["eos_token_ids"] == [2]  # from config.json
 
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny import tiny_model
 
 from exporter.speculative import convert, is_converted, load_external_drafter, save_drafter
 from exporter.speculative.importers import detect_format
-from exporter.tiny import tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 

@@ -26,11 +26,11 @@ import pytest
 import torch
 from conftest import write_tiny_tokenizer
 from helpers import torch_threads
+from tiny import tiny_model
 
 import graphs
 from exporter.export import export
 from exporter.speculative import convert, enable_huggingface_checkpointing
-from exporter.tiny import tiny_model
 
 VOCAB = 256
 EOS, PAD = 2, 0  # exporter.tiny's ids (bos 1): the manifest's eos_token_ids == [EOS]

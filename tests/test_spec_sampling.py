@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 from helpers import chi2_sf, torch_threads
+from tiny import tiny_model
 
 import graphs
 import graphs.results
 import graphs.runtime
 from exporter.export import export
 from exporter.speculative import convert, enable_huggingface_checkpointing
-from exporter.tiny import tiny_model
 
 VOCAB = 16
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

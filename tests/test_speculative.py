@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from exporter.modeling import causal_mask
@@ -15,7 +16,6 @@ from exporter.speculative import (
     save_drafter,
 )
 from exporter.speculative.medusa import MedusaHead, medusa_logits
-from exporter.tiny import tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 MODES = {

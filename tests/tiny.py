@@ -1,4 +1,4 @@
-"""Tiny random HF causal LMs built offline from configs (tests, samples, the default model)."""
+"""Tiny random HF causal LMs built offline from configs (tests only; the demo model is exporter/demo_model.py)."""
 
 from __future__ import annotations
 
