@@ -117,7 +117,7 @@ def eagle_reference_tree(model, seq: list[int], topk: int, depth: int, total_tok
         return sorted(idx, key=lambda i: (-nodes[i][2], i))[:n]
 
     layer = add_children(-1)
-    for d in range(depth):
+    for _ in range(depth):
         frontier = best(layer, topk)
         layer = [c for f in frontier for c in add_children(f)]
     keep = best(list(range(len(nodes))), total_tokens - 1)
@@ -202,7 +202,8 @@ def check_drafts(model, prompts, results, steps, *, eagle_cfg: dict | None = Non
                 assert got == want, f"{where}: Medusa candidates {got} != reference {want}"
             else:
                 ref = eagle_reference_tree(model, seq, **eagle_cfg)
-                assert tree.parents.tolist() == ref.parents, f"{where}: parents {tree.parents.tolist()} != {ref.parents}"
+                parents = tree.parents.tolist()
+                assert parents == ref.parents, f"{where}: parents {parents} != {ref.parents}"
                 assert got == ref.tokens, f"{where}: tokens {got} != reference {ref.tokens}"
                 np.testing.assert_allclose(tree.score, ref.scores, atol=atol, err_msg=f"{where}: scores")
             checked += 1
