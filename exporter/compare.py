@@ -287,11 +287,16 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
     report = CompareReport(dtype=dtype, device=device, tolerance=asdict(tol))
     for role in specs:
         session = _session(make_session, out_dir / specs[role].file, provider, dtype)
-        if role not in ("base", "draft"):  # built graphs (K/V update): checked against numpy
+        if role.startswith(C.TREE_ROLE_PREFIX):  # the one-call EAGLE tree (exporter.eagle_tree)
+            from exporter.eagle_tree import tree_cases
+
+            cases = tree_cases(model, specs[role])
+        elif role not in ("base", "draft"):  # built graphs (K/V update): checked against numpy
             report.rows += kv_update_rows(role, session, specs[role], tol)
             del session
             continue
-        cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
+        else:
+            cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
         module = graph_module(model, role)
         for case, inputs in cases:
             with torch.no_grad():
@@ -329,6 +334,11 @@ def _check_same_model(model, specs: dict[str, C.GraphSpec], dtype: str, out_dir:
     from exporter.trace import graph_specs
 
     want = graph_specs(model, dtype)
+    baked = [r for r in specs if r.startswith(C.TREE_ROLE_PREFIX)]  # one-call EAGLE trees, as exported
+    if baked and getattr(model, "spec_mode", None) == "eagle":
+        from exporter.eagle_tree import tree_graph_specs
+
+        want |= tree_graph_specs(model, dtype, [tuple(map(int, r.split(".")[1].split("-"))) for r in baked])
     if set(want) != set(specs):
         kind = getattr(model, "spec_mode", None) or "no drafter"
         raise UserError(

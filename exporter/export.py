@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from exporter.eagle_tree import bake_eagle_trees, parse_tree
 from exporter.kvgraph import build_kv_update
 from exporter.loading import UserError, load_model
 from exporter.trace import (
@@ -259,6 +260,7 @@ def export(
     overwrite: bool = False,
     opset: int = OPSET,
     validate: bool = True,
+    eagle_trees=None,
     log=print,
 ) -> Manifest:
     """Export ``model_dir`` into ``out_dir``; returns the manifest written there."""
@@ -280,6 +282,8 @@ def export(
         with steps("trace draft graph" if "draft" in specs else "trace draft graph (none: base only)"):
             if "draft" in specs:
                 _trace_one(traced, "draft", specs["draft"], tmp, opset)
+            # one-call EAGLE-2 trees (None: the default tree), added to specs and tree["eagle_trees"]
+            bake_eagle_trees(traced, specs, tree, eagle_trees, lambda r: _trace_one(traced, r, specs[r], tmp, opset))
             for role in ("kv_update", "draft_kv_update"):
                 if role in specs:
                     build_kv_update(specs[role], tmp / specs[role].file, opset=opset)
@@ -360,6 +364,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
     ap.add_argument("--opset", type=int, default=OPSET)
+    ap.add_argument("--eagle-trees", nargs="+", type=parse_tree, metavar="K,D,T",
+                    help="EAGLE: bake one-call draft graphs for these (topk, depth, total_tokens) trees "
+                         "(default: the default tree 2,3,6)")
     ap.add_argument("--no-validate", action="store_true", help="skip the PyTorch-vs-ONNX check (not advised)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_intermixed_args(argv)  # options may come between model_dir and out_dir
@@ -378,7 +385,8 @@ def main(argv=None) -> int:
             raise UserError("missing out_dir: python -m exporter.export model_dir out_dir")
         t0 = time.perf_counter()
         manifest = export(model_dir, out_dir, drafter=args.drafter, dtype=args.dtype,
-                          overwrite=args.overwrite, opset=args.opset, validate=not args.no_validate)
+                          overwrite=args.overwrite, opset=args.opset, validate=not args.no_validate,
+                          eagle_trees=args.eagle_trees)
         graphs = ", ".join(manifest.graphs[r].file for r in TRACED_ROLES if r in manifest.graphs)
         print(f"exported {graphs} to {out_dir} in {time.perf_counter() - t0:.1f} s")
         return 0

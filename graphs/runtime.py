@@ -29,6 +29,7 @@ import numpy as np
 
 from graphs import contract as C
 from graphs.device import DeviceKVCache, run_bound
+from graphs.eagle_draft import DRAFT_MODES, baked_trees, choose_graph, one_call_steps
 from graphs.kv import KVCache
 from graphs.manifest import Manifest
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
@@ -57,7 +58,8 @@ class Decoder:
     """Sessions built once from ``manifest.json``; ``generate``/``stream`` run the decode loop."""
 
     def __init__(self, out_dir, provider: str = "auto", threads: int | None = None,
-                 optimization: str = "all", verify: bool = True, io_binding: bool | None = None):
+                 optimization: str = "all", verify: bool = True, io_binding: bool | None = None,
+                 eagle_draft: str = "auto", adaptive: bool = True):
         self.out_dir = Path(out_dir)
         self.manifest = Manifest.read(self.out_dir, verify=verify)
         self.provider = resolve_provider(provider)
@@ -86,6 +88,12 @@ class Decoder:
         self.draft = session("draft")
         self.kv_update = session("kv_update") if self.io_binding else None
         self.draft_kv_update = session("draft_kv_update") if self.io_binding else None
+        # one-call EAGLE trees (graphs.eagle_draft): a session per baked (topk, depth, total_tokens)
+        if eagle_draft not in DRAFT_MODES:
+            raise ValueError(f"unknown eagle_draft {eagle_draft!r}; accepted: {', '.join(DRAFT_MODES)}")
+        self.eagle_draft = eagle_draft
+        self.tree_sessions = {} if eagle_draft == "stepwise" else {r: session(r) for r in baked_trees(m).values()}
+        self.adaptive = bool(adaptive)
         self._capacity = 256  # K/V columns to preallocate on the device, set per run
         self.drafter = m.drafter
         self.kind = m.drafter["kind"] if m.drafter else None
@@ -323,7 +331,12 @@ class Decoder:
         if self.kind == "medusa":
             yield from self._medusa(seqs, sampler, stats, self._medusa_tree(tree))
         else:
-            yield from self._eagle(seqs, sampler, stats, self._eagle_tree(tree))
+            cfg = self._eagle_tree(tree)
+            role = choose_graph(self.manifest, cfg, self.eagle_draft)
+            if role is not None:
+                yield from one_call_steps(self, seqs, sampler, stats, role)
+            else:
+                yield from self._eagle(seqs, sampler, stats, cfg)
 
     def _verify_and_accept(self, kv, seqs, sampler, stats, trees: list[Tree], tokens: np.ndarray, pos,
                            layout=None):
@@ -382,6 +395,7 @@ class Decoder:
             t0 = time.perf_counter()
             (ids,) = self.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden[:, None], C.TOPK_IN: topk})
             stats.time_draft += time.perf_counter() - t0
+            stats.draft_calls += 1
             cand = medusa_candidates_batch(tree, root, ids[:, 0])  # (B, T)
             out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout)
             emitted = []
@@ -431,6 +445,7 @@ class Decoder:
         t0 = time.perf_counter()
         out = self._execute(self.draft, self.draft_spec, feed, dkv, [C.HIDDEN_OUT, C.TOPK_IDS, C.TOPK_LOGPROBS])
         stats.time_draft += time.perf_counter() - t0
+        stats.draft_calls += 1
         return out
 
     def _eagle(self, seqs, sampler, stats, cfg: dict):
@@ -551,11 +566,16 @@ def _stream_defaults(kwargs: dict) -> dict:
 
 
 def load(out_dir, provider: str = "auto", threads: int | None = None, optimization: str = "all",
-         verify: bool = True, io_binding: bool | None = None) -> Decoder:
+         verify: bool = True, io_binding: bool | None = None, eagle_draft: str = "auto",
+         adaptive: bool = True) -> Decoder:
     """Build a :class:`Decoder` from an export directory (checks every file's sha256 first).
 
     ``provider``: "auto" (CUDA EP when onnxruntime-gpu sees a GPU, else CPU EP), "cuda", "cpu".
     ``io_binding``: keep K/V on the device and update it in place (default: on for CUDA).
+    ``eagle_draft``: "auto" (one drafter call per step when the export baked the requested EAGLE
+    tree, else step-wise), "one_call" (require a baked tree), "stepwise" (1 + depth calls per step).
+    ``adaptive``: shrink the tree or fall back to one-token steps when speculation stops paying
+    (graphs.adaptive); greedy output is the same either way.
     """
     return Decoder(out_dir, provider=provider, threads=threads, optimization=optimization, verify=verify,
-                   io_binding=io_binding)
+                   io_binding=io_binding, eagle_draft=eagle_draft, adaptive=adaptive)
