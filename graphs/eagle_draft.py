@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from graphs import contract as C
+from graphs.adaptive import AdaptivePolicy
 from graphs.trees import Tree
 
 DRAFT_MODES = ("auto", "one_call", "stepwise")
@@ -89,17 +90,24 @@ class PendingRows:
         return feats, ids, self.pos[:, None] + np.arange(a), causal, counts
 
     def set(self, b: int, feats: np.ndarray, ids: np.ndarray, pos: int) -> None:
+        """The drafter consumed the rows: these replace them, the first at position ``pos``."""
         self.feats[b], self.ids[b], self.pos[b] = feats, ids, pos
+
+    def extend(self, b: int, feats: np.ndarray, ids: np.ndarray) -> None:
+        """No drafter call this step: append to the rows still waiting."""
+        self.feats[b] = np.concatenate([self.feats[b], feats])
+        self.ids[b] = np.concatenate([self.ids[b], ids])
 
 
 _TREE_OUT = [C.TREE_TOKENS, C.TREE_PARENTS, C.TREE_DEPTH, C.TREE_SCORES, C.TREE_MASK]
 
 
-def one_call_steps(dec, seqs, sampler, stats, role: str, policy=None):
+def one_call_steps(dec, seqs, sampler, stats, role: str, adaptive: bool = False):
     """The EAGLE decode loop with one drafter call per step (a generator, like ``Decoder._eagle``).
 
-    ``dec`` is the :class:`graphs.runtime.Decoder` (its sessions, caches, verify and accept);
-    ``policy`` an optional :class:`graphs.adaptive.AdaptivePolicy` that may shrink each tree.
+    ``dec`` is the :class:`graphs.runtime.Decoder` (its sessions, caches, verify and accept).
+    ``adaptive``: a :class:`graphs.adaptive.AdaptivePolicy` cuts each sequence's tree to the size
+    that pays, down to plain one-token steps that skip the drafter (greedy output is unchanged).
     """
     spec, session = dec.manifest.graphs[role], dec.tree_sessions[role]
     kv, out, last = dec._prefill(seqs, stats)
@@ -108,35 +116,55 @@ def one_call_steps(dec, seqs, sampler, stats, role: str, policy=None):
     d = dec.drafter
     dkv = dec._new_cache(bsz, d["num_layers"], d["num_kv_heads"], d["head_dim"], draft=True)
     feat_name = C.AUX_HIDDEN if d.get("eagle3") else C.HIDDEN
+    policy = AdaptivePolicy(bsz, spec.output(C.TREE_TOKENS).dims[1]) if adaptive else None
+    dec.last_policy = policy
     root = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
     yield [(b, [int(root[b])]) for b in rows]
     pend = PendingRows([out[feat_name][b, : last[b] + 1] for b in rows],
                        [np.append(seqs[b].prompt[1:], root[b]) for b in rows], dec.dtype, dec.pad)
     pos = last + 1  # the root's position
+    plain_trees = [Tree.from_parents([-1])] * bsz
+    plain_layout = (np.zeros((bsz, 1), dtype=np.int64), np.ones((bsz, 1, 1), dtype=bool))
     while True:
-        feats, ids, ppos, causal, counts = pend.arrays()
-        past = dkv.past_mask()
-        mask = np.concatenate([np.broadcast_to(past[:, None, :], (bsz, causal.shape[1], past.shape[1])), causal],
-                              axis=2)[:, None]  # (B, 1, A, P+A)
-        feed = {feat_name: feats, C.INPUT_IDS: ids, C.POSITION_IDS: ppos, C.ATTENTION_MASK: mask,
-                C.ROOT_INDEX: counts - 1}
-        t0 = time.perf_counter()
-        o = dec._execute(session, spec, feed, dkv, _TREE_OUT)
-        stats.time_draft += time.perf_counter() - t0
-        stats.draft_calls += 1
-        dkv.append(dec._presents(o, d["num_layers"]), np.broadcast_to(np.arange(ids.shape[1]), ids.shape), counts)
-        cand, depth, tmask = o[C.TREE_TOKENS], o[C.TREE_DEPTH], o[C.TREE_MASK]
-        trees = [tree_from_outputs(o[C.TREE_PARENTS][b], depth[b], tmask[b], o[C.TREE_SCORES][b]) for b in rows]
-        layout = (depth, tmask)
-        if policy is not None:
-            trees, cand, layout = policy.shrink(trees, cand, layout)
+        live = np.array([not s.done for s in seqs])
+        sizes = policy.plan(live) if policy is not None else None
+        t_draft = None
+        if sizes is not None and sizes.max() == 1:  # a plain step: the drafter's rows wait
+            trees, cand, layout = plain_trees, root[:, None].copy(), plain_layout
+        else:
+            feats, ids, ppos, causal, counts = pend.arrays()
+            past = dkv.past_mask()
+            mask = np.concatenate([np.broadcast_to(past[:, None, :], (bsz, causal.shape[1], past.shape[1])), causal],
+                                  axis=2)[:, None]  # (B, 1, A, P+A)
+            feed = {feat_name: feats, C.INPUT_IDS: ids, C.POSITION_IDS: ppos, C.ATTENTION_MASK: mask,
+                    C.ROOT_INDEX: counts - 1}
+            t0 = time.perf_counter()
+            o = dec._execute(session, spec, feed, dkv, _TREE_OUT)
+            t_draft = time.perf_counter() - t0
+            stats.time_draft += t_draft
+            stats.draft_calls += 1
+            dkv.append(dec._presents(o, d["num_layers"]), np.broadcast_to(np.arange(ids.shape[1]), ids.shape),
+                       counts)
+            cand, depth, tmask = o[C.TREE_TOKENS], o[C.TREE_DEPTH], o[C.TREE_MASK]
+            trees = [tree_from_outputs(o[C.TREE_PARENTS][b], depth[b], tmask[b], o[C.TREE_SCORES][b]) for b in rows]
+            layout = (depth, tmask)
+            if sizes is not None and sizes.min() < cand.shape[1]:
+                trees, cand, layout = policy.shrink(trees, cand, sizes)
+        t_verify = stats.time_verify
         out, accepted, bonus = dec._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout)
+        if policy is not None:
+            policy.observe(trees if t_draft is not None else None, accepted, cand.shape[1],
+                           stats.time_verify - t_verify, t_draft, live)
         emitted = []
         for b in rows:
             acc = accepted[b]
             emitted.append((b, [int(x) for x in cand[b, acc[1:]]] + [int(bonus[b])]))
             keep = 1 if seqs[b].done else len(acc)  # finished: one row keeps the batch rectangular
-            pend.set(b, out[feat_name][b, acc[:keep]], np.append(cand[b, acc[1:]], bonus[b])[:keep], pos[b])
+            feats_b, ids_b = out[feat_name][b, acc[:keep]], np.append(cand[b, acc[1:]], bonus[b])[:keep]
+            if t_draft is None:  # no drafter call: these rows join the ones still waiting
+                pend.extend(b, feats_b, ids_b)
+            else:
+                pend.set(b, feats_b, ids_b, pos[b])
             pos[b] += len(acc)
             root[b] = bonus[b]
         yield emitted

@@ -94,6 +94,7 @@ class Decoder:
         self.eagle_draft = eagle_draft
         self.tree_sessions = {} if eagle_draft == "stepwise" else {r: session(r) for r in baked_trees(m).values()}
         self.adaptive = bool(adaptive)
+        self.last_policy = None  # graphs.adaptive.AdaptivePolicy of the last one-call EAGLE run
         self._capacity = 256  # K/V columns to preallocate on the device, set per run
         self.drafter = m.drafter
         self.kind = m.drafter["kind"] if m.drafter else None
@@ -334,7 +335,7 @@ class Decoder:
             cfg = self._eagle_tree(tree)
             role = choose_graph(self.manifest, cfg, self.eagle_draft)
             if role is not None:
-                yield from one_call_steps(self, seqs, sampler, stats, role)
+                yield from one_call_steps(self, seqs, sampler, stats, role, adaptive=self.adaptive)
             else:
                 yield from self._eagle(seqs, sampler, stats, cfg)
 

@@ -172,7 +172,8 @@ def trained(references, tmp_path_factory):
                 enable_huggingface_checkpointing()
                 model.save_pretrained(root / "model")
             write_tiny_tokenizer(root / "model", VOCAB)
-            export(root / "model", root / "onnx", log=lambda *a, **k: None)
+            trees = [(2, 3, 6), (4, 4, 12)] if kind != "medusa" else None  # one-call graphs: default + 4-4-12
+            export(root / "model", root / "onnx", log=lambda *a, **k: None, eagle_trees=trees)
             decoder = graphs.load(root / "onnx", provider="cpu", threads=1)
             cache[kind] = Trained(kind, root / "onnx", decoder, refs, targets)
         return cache[kind]
@@ -506,21 +507,27 @@ def test_host_overhead_is_reported(trained, kind):
 # Greedy equality cannot see a wrong draft (a stale drafter cache, an off-by-one position, the wrong
 # hidden state): each of those only lowers acceptance. These tests see them.
 
-REFERENCE_CASES = [("medusa", "default"), ("medusa", "deep_wide"), ("eagle", "default"), ("eagle", "4-4-12"),
-                   ("eagle3", "default"), ("eagle3", "4-4-12")]
+REFERENCE_CASES = [("medusa", "default", "-"), ("medusa", "deep_wide", "-")] + [
+    (kind, name, draft) for kind in ("eagle", "eagle3") for name in ("default", "4-4-12")
+    for draft in ("stepwise", "one_call")]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize(("kind", "name"), REFERENCE_CASES)
-def test_drafts_equal_the_pytorch_reference(trained, kind, name, batch):
+@pytest.mark.parametrize(("kind", "name", "draft"), REFERENCE_CASES)
+def test_drafts_equal_the_pytorch_reference(trained, kind, name, draft, batch):
     from draft_reference import captured_steps, check_drafts, torch_model
 
     t = trained(kind)
     model = torch_model(t.out_dir.parent / "model")
     tree = _tree(kind, name)
     prompts = [PROMPTS[i] for i in ((2, 5, 9) if batch > 1 else (7,))]
-    with captured_steps(t.decoder) as steps:
-        results = t.decoder.generate(prompts, max_new_tokens=16, tree=tree)
+    decoder = t.decoder if kind == "medusa" else graphs.load(t.out_dir, provider="cpu", threads=1, eagle_draft=draft,
+                                                                      adaptive=False)
+    with captured_steps(decoder) as steps:
+        results = decoder.generate(prompts, max_new_tokens=16, tree=tree)
+    if kind != "medusa":  # one drafter call per step, or 1 + depth
+        calls = 1 if draft == "one_call" else 1 + decoder._eagle_tree(tree)["depth"]
+        assert results[0].stats.draft_calls == calls * results[0].stats.steps
     cfg = None if kind == "medusa" else t.decoder._eagle_tree(tree)
     checked = check_drafts(model, prompts, results, steps, eagle_cfg=cfg)
     assert checked >= 3 * batch
