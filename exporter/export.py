@@ -283,7 +283,8 @@ def export(
             if "draft" in specs:
                 _trace_one(traced, "draft", specs["draft"], tmp, opset)
             # one-call EAGLE-2 trees (None: the default tree), added to specs and tree["eagle_trees"]
-            bake_eagle_trees(traced, specs, tree, eagle_trees, lambda r: _trace_one(traced, r, specs[r], tmp, opset))
+            bake_eagle_trees(traced, specs, tree, eagle_trees,
+                             lambda r, m=traced: _trace_one(m, r, specs[r], tmp, opset))
             for role in ("kv_update", "draft_kv_update"):
                 if role in specs:
                     build_kv_update(specs[role], tmp / specs[role].file, opset=opset)

@@ -140,9 +140,8 @@ class AdaptivePolicy:
             best = int(np.argmax(r[1:])) + 2
             if r[best - 1] >= self.cfg.margin * r[0]:
                 sizes[b] = best
-        if sizes.max() == 1:
-            if self.plain_run >= self.wait:  # probe: a full tree for everyone, to measure again
-                return np.full(bsz, self.t)
+        if sizes.max() == 1 and self.plain_run >= self.wait:  # probe: a full tree for all, to measure again
+            return np.full(bsz, self.t)
         return sizes
 
     def observe(self, trees: list[Tree] | None, accepted: list[list[int]] | None, width: int, t_verify: float,
