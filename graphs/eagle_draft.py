@@ -116,7 +116,7 @@ def one_call_steps(dec, seqs, sampler, stats, role: str, adaptive: bool = False)
     d = dec.drafter
     dkv = dec._new_cache(bsz, d["num_layers"], d["num_kv_heads"], d["head_dim"], draft=True)
     feat_name = C.AUX_HIDDEN if d.get("eagle3") else C.HIDDEN
-    policy = AdaptivePolicy(bsz, spec.output(C.TREE_TOKENS).dims[1]) if adaptive else None
+    policy = AdaptivePolicy(bsz, spec.output(C.TREE_TOKENS).dims[1], dec.adaptive_config) if adaptive else None
     dec.last_policy = policy
     root = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
     yield [(b, [int(root[b])]) for b in rows]

@@ -95,6 +95,7 @@ class Decoder:
         self.tree_sessions = {} if eagle_draft == "stepwise" else {r: session(r) for r in baked_trees(m).values()}
         self.adaptive = bool(adaptive)
         self.last_policy = None  # graphs.adaptive.AdaptivePolicy of the last one-call EAGLE run
+        self.adaptive_config = None  # a graphs.adaptive.AdaptiveConfig, None: its defaults
         self._capacity = 256  # K/V columns to preallocate on the device, set per run
         self.drafter = m.drafter
         self.kind = m.drafter["kind"] if m.drafter else None
@@ -576,7 +577,9 @@ def load(out_dir, provider: str = "auto", threads: int | None = None, optimizati
     ``eagle_draft``: "auto" (one drafter call per step when the export baked the requested EAGLE
     tree, else step-wise), "one_call" (require a baked tree), "stepwise" (1 + depth calls per step).
     ``adaptive``: shrink the tree or fall back to one-token steps when speculation stops paying
-    (graphs.adaptive); greedy output is the same either way.
+    (graphs.adaptive; one-call EAGLE); greedy output is the same either way and sampling keeps the
+    base distribution, but the choices follow measured times, so a seeded sampling run is
+    reproducible only with ``adaptive=False``.
     """
     return Decoder(out_dir, provider=provider, threads=threads, optimization=optimization, verify=verify,
                    io_binding=io_binding, eagle_draft=eagle_draft, adaptive=adaptive)

@@ -174,7 +174,9 @@ def trained(references, tmp_path_factory):
             write_tiny_tokenizer(root / "model", VOCAB)
             trees = [(2, 3, 6), (4, 4, 12)] if kind != "medusa" else None  # one-call graphs: default + 4-4-12
             export(root / "model", root / "onnx", log=lambda *a, **k: None, eagle_trees=trees)
-            decoder = graphs.load(root / "onnx", provider="cpu", threads=1)
+            # adaptive=False: these tests exercise tree acceptance, which the adaptive policy may skip on
+            # models this small (a plain step is often faster); test_adaptive_greedy_is_exact covers it
+            decoder = graphs.load(root / "onnx", provider="cpu", threads=1, adaptive=False)
             cache[kind] = Trained(kind, root / "onnx", decoder, refs, targets)
         return cache[kind]
 
@@ -532,3 +534,21 @@ def test_drafts_equal_the_pytorch_reference(trained, kind, name, draft, batch):
     checked = check_drafts(model, prompts, results, steps, eagle_cfg=cfg)
     assert checked >= 3 * batch
     assert max(results[0].stats.accepted) > 2  # trees were accepted: later steps had multi-token context
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_adaptive_greedy_is_exact(trained, kind, autoregressive_tokens):
+    """Whatever the adaptive policy switches to (cut trees, plain steps without the drafter, probes),
+    greedy output is the base's; forced into plain steps the drafter's waiting rows catch up later."""
+    from graphs.adaptive import AdaptiveConfig
+
+    t = trained(kind)
+    decoder = graphs.load(t.out_dir, provider="cpu", threads=1, adaptive=True)
+    results = decoder.generate(PROMPTS[:4], max_new_tokens=N_NEW)
+    assert [r.token_ids for r in results] == autoregressive_tokens[:4]
+    # a policy that must alternate: speculation costs 10x a plain step, probes every 2 plain steps
+    decoder.adaptive_config = AdaptiveConfig(probe_every=2, max_probe_every=2, margin=10.0)
+    results = decoder.generate(PROMPTS[4:7], max_new_tokens=N_NEW)
+    assert [r.token_ids for r in results] == autoregressive_tokens[4:7]
+    widths = decoder.last_policy.history
+    assert 1 in widths and max(widths) > 1  # both kinds of step happened
