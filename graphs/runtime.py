@@ -94,6 +94,7 @@ class Decoder:
         self.eagle_draft = eagle_draft
         self.tree_sessions = {} if eagle_draft == "stepwise" else {r: session(r) for r in baked_trees(m).values()}
         self.adaptive = bool(adaptive)
+        self._adaptive_now = self.adaptive  # for the current run (off for seeded sampling)
         self.last_policy = None  # graphs.adaptive.AdaptivePolicy of the last one-call EAGLE run
         self.adaptive_config = None  # a graphs.adaptive.AdaptiveConfig, None: its defaults
         self._capacity = 256  # K/V columns to preallocate on the device, set per run
@@ -200,6 +201,9 @@ class Decoder:
         stats = Stats(prompt_tokens=sum(len(s.prompt) for s in seqs))
         self.last_stats = stats  # filled in as the run goes (also when a stream is left early)
         t_start = time.perf_counter()
+        # a seeded sampling run stays reproducible: the adaptive policy (which follows measured times)
+        # is off for it
+        self._adaptive_now = self.adaptive and (seed is None or sampler.temperature == 0)
         steps = {"autoregressive": self._autoregressive, "speculative": self._speculative}[mode]
         for emitted in steps(seqs, sampler, stats, tree, max_new_tokens):
             for b, toks in emitted:
@@ -336,7 +340,7 @@ class Decoder:
             cfg = self._eagle_tree(tree)
             role = choose_graph(self.manifest, cfg, self.eagle_draft)
             if role is not None:
-                yield from one_call_steps(self, seqs, sampler, stats, role, adaptive=self.adaptive)
+                yield from one_call_steps(self, seqs, sampler, stats, role, adaptive=self._adaptive_now)
             else:
                 yield from self._eagle(seqs, sampler, stats, cfg)
 
@@ -578,8 +582,8 @@ def load(out_dir, provider: str = "auto", threads: int | None = None, optimizati
     tree, else step-wise), "one_call" (require a baked tree), "stepwise" (1 + depth calls per step).
     ``adaptive``: shrink the tree or fall back to one-token steps when speculation stops paying
     (graphs.adaptive; one-call EAGLE); greedy output is the same either way and sampling keeps the
-    base distribution, but the choices follow measured times, so a seeded sampling run is
-    reproducible only with ``adaptive=False``.
+    base distribution. The choices follow measured times, so the policy is off for seeded
+    sampling runs (``seed=...``, temperature > 0): those stay reproducible.
     """
     return Decoder(out_dir, provider=provider, threads=threads, optimization=optimization, verify=verify,
                    io_binding=io_binding, eagle_draft=eagle_draft, adaptive=adaptive)

@@ -284,17 +284,18 @@ def test_eagle3_draft_vocabulary_maps_to_target_ids(trained, monkeypatch):
     targets = set(t.draft_targets)
     assert max(targets) >= 200 and len(targets) == 200
     seen: list[np.ndarray] = []
-    run_draft = type(t.decoder)._run_draft
+    decoder = graphs.load(t.out_dir, provider="cpu", threads=1, eagle_draft="stepwise", adaptive=False)
+    run_draft = type(decoder)._run_draft
 
     def spy(self, *args, **kwargs):
         out = run_draft(self, *args, **kwargs)
         seen.append(out["topk_ids"].ravel())
         return out
 
-    monkeypatch.setattr(type(t.decoder), "_run_draft", spy)
+    monkeypatch.setattr(type(decoder), "_run_draft", spy)
     accepted_drafts = []  # drafted tokens the base accepted: all but the last token of each step
     for p, ref in zip(PROMPTS, t.refs):
-        events = list(t.decoder.stream(p, max_new_tokens=N_NEW))
+        events = list(decoder.stream(p, max_new_tokens=N_NEW))
         assert [x for e in events for x in e.token_ids] == ref
         accepted_drafts += [x for e in events[1:] for x in e.token_ids[:-1]]
     ids = np.concatenate(seen)
