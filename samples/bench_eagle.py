@@ -74,8 +74,9 @@ def run(systems, prompts, tree, temperature, max_new, repeats, seed=0) -> dict:
             for n in order:
                 dec, kw = systems[n]
                 t = tree if n.startswith("eagle") else None
-                res = dec.generate(p, max_new_tokens=max_new, temperature=temperature, tree=t,
-                                   seed=seed + 1000 * r + i, **kw)
+                # the adaptive policy is off for seeded sampling runs (reproducibility): no seed for it
+                sd = None if n.endswith("adaptive") else seed + 1000 * r + i
+                res = dec.generate(p, max_new_tokens=max_new, temperature=temperature, tree=t, seed=sd, **kw)
                 s, a = res.stats, agg[n]
                 a["tokens"] += s.new_tokens
                 a["time"] += s.time_total - s.time_prefill
