@@ -214,12 +214,17 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
     for role in specs:
         spec, tol = specs[role], tols[role]
         session = _session(make_session, out_dir / spec.file, provider, dtype)
-        if role not in ("base", "draft"):  # built graphs (K/V update): checked against numpy
+        if role not in ("base", "draft") and not role.startswith(C.TREE_ROLE_PREFIX):  # K/V update: vs numpy
             report.rows += kv_update_rows(role, session, spec, tol)
             del session
             continue
         try:
-            cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
+            if role.startswith(C.TREE_ROLE_PREFIX):  # the one-call EAGLE tree (exporter.eagle_tree)
+                from exporter.eagle_tree import tree_cases
+
+                cases = tree_cases(model, spec)
+            else:
+                cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
         except Exception as e:  # the reference itself failed: a failure, never a skip
             report.rows.append(error_row(role, "traced_reference", e))
             cases = []
@@ -336,6 +341,11 @@ def _check_same_model(model, specs: dict[str, C.GraphSpec], dtype: str, out_dir:
     from exporter.trace import graph_specs
 
     want = graph_specs(model, dtype)
+    baked = [r for r in specs if r.startswith(C.TREE_ROLE_PREFIX)]  # one-call EAGLE trees, as exported
+    if baked and getattr(model, "spec_mode", None) == "eagle":
+        from exporter.eagle_tree import tree_graph_specs
+
+        want |= tree_graph_specs(model, dtype, [tuple(map(int, r.split(".")[1].split("-"))) for r in baked])
     if set(want) != set(specs):
         kind = getattr(model, "spec_mode", None) or "no drafter"
         raise UserError(

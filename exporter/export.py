@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from exporter.cli import signals_as_interrupt
+from exporter.eagle_tree import bake_eagle_trees, parse_tree
 from exporter.inputs import check_export_inputs, check_opset, copy_model_files
 from exporter.kvgraph import build_kv_update
 from exporter.loading import UserError, load_model
@@ -249,6 +250,7 @@ def export(
     opset: int = OPSET,
     validate: bool = True,
     trust_remote_code: bool = False,
+    eagle_trees=None,
     log=print,
     overwrite_non_export: bool = False,
 ) -> Manifest:
@@ -264,11 +266,12 @@ def export(
     target = OutDir(out_dir, overwrite=overwrite, overwrite_non_export=overwrite_non_export,
                     inputs=[model_dir] + ([Path(drafter)] if drafter else []))
     with signals_as_interrupt():  # SIGTERM cleans up as Ctrl-C does
-        return _export(target, model_dir, out_dir, drafter, dtype, opset, validate, trust_remote_code, log)
+        return _export(target, model_dir, out_dir, drafter, dtype, opset, validate, trust_remote_code, eagle_trees,
+                       log)
 
 
 def _export(target: OutDir, model_dir: Path, out_dir: Path, drafter, dtype, opset, validate, trust_remote_code,
-            log) -> Manifest:
+            eagle_trees, log) -> Manifest:
     tmp = target.open()
     steps = Steps(5, log)
     try:
@@ -285,6 +288,9 @@ def _export(target: OutDir, model_dir: Path, out_dir: Path, drafter, dtype, opse
         with steps("trace draft graph" if "draft" in specs else "trace draft graph (none: base only)"):
             if "draft" in specs:
                 _trace_one(traced, "draft", specs["draft"], tmp, opset)
+            # one-call EAGLE-2 trees (None: the default tree), added to specs and tree["eagle_trees"]
+            bake_eagle_trees(traced, specs, tree, eagle_trees,
+                             lambda r, m=traced: _trace_one(m, r, specs[r], tmp, opset))
             for role in ("kv_update", "draft_kv_update"):
                 if role in specs:
                     build_kv_update(specs[role], tmp / specs[role].file, opset=opset)
@@ -363,6 +369,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite-non-export", metavar="OUT_DIR",
                     help="replace out_dir whatever it holds (deletes it); must repeat out_dir")
     ap.add_argument("--opset", type=int, default=OPSET, help="ONNX opset of the graphs")
+    ap.add_argument("--eagle-trees", nargs="+", type=parse_tree, metavar="K,D,T",
+                    help="EAGLE: bake one-call draft graphs for these (topk, depth, total_tokens) trees "
+                         "(default: the default tree 2,3,6)")
     ap.add_argument("--no-validate", action="store_true", help="skip the PyTorch-vs-ONNX check (not advised)")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the model's own Python code from its directory (off: only transformers' code runs)")
@@ -392,7 +401,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         manifest = export(model_dir, out_dir, drafter=args.drafter, dtype=args.dtype, overwrite=overwrite,
                           opset=args.opset, validate=not args.no_validate, trust_remote_code=args.trust_remote_code,
-                          overwrite_non_export=force is not None)
+                          eagle_trees=args.eagle_trees, overwrite_non_export=force is not None)
         graphs = ", ".join(manifest.graphs[r].file for r in TRACED_ROLES if r in manifest.graphs)
         print(f"exported {graphs} to {out_dir} in {time.perf_counter() - t0:.1f} s")
         if args.optimize:  # a step of its own: the export above is complete and valid whatever happens here

@@ -157,6 +157,10 @@ class EagleGraph(nn.Module):
 
 
 def graph_module(model, role: str) -> nn.Module:
+    if role.startswith(C.TREE_ROLE_PREFIX):
+        from exporter.eagle_tree import graph_for_role
+
+        return graph_for_role(model, role)
     if role == "base":
         return BaseGraph(model)
     return MedusaGraph(model) if model.spec_mode == "medusa" else EagleGraph(model)
@@ -176,6 +180,8 @@ def example_inputs(spec: C.GraphSpec, sizes: dict[str, int], device="cpu") -> li
             b, _, s, total = shape
             q = torch.arange(s)[:, None] + (total - s)
             out.append((torch.arange(total)[None, :] <= q).expand(b, 1, s, total).contiguous())
+        elif t.name == C.ROOT_INDEX:  # each sequence's last context row
+            out.append(torch.full(shape, sizes[C.SEQ] - 1, dtype=torch.int64))
         elif t.name == C.POSITION_IDS:
             b, s = shape
             out.append((torch.arange(s) + sizes[C.PAST]).expand(b, s).contiguous())
@@ -196,6 +202,10 @@ def trace_sizes(spec: C.GraphSpec) -> dict[str, int]:
 # Submodules whose own ``forward`` is never called (the wrappers call their children directly), by
 # graph role: without a scope of their own their children's nodes would read ``/layers.0/...``.
 _UNCALLED_PARENTS = {"base": ("model",), "draft": ("eagle_module", "base.model", "base")}
+
+
+def _uncalled_parents(role: str) -> tuple[str, ...]:
+    return _UNCALLED_PARENTS["draft" if role.startswith(C.TREE_ROLE_PREFIX) else role]
 
 
 def _called_children(module: nn.Module):
@@ -299,7 +309,7 @@ def export_graph(model, role: str, spec: C.GraphSpec, path: Path, opset: int = O
     with (
         torch.no_grad(),
         eager_attention(model.config),
-        scoped_node_names(module, _UNCALLED_PARENTS[role]),
+        scoped_node_names(module, _uncalled_parents(role)),
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore")

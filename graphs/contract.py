@@ -272,3 +272,71 @@ def kv_update_graph_spec(num_tensors: int, kv_heads: int, head_dim: int, dtype: 
     inputs += [TensorSpec(ACCEPT_INDEX, "int64", (BATCH, ACCEPTED)), TensorSpec(WRITE_START, "int64", (1,))]
     outputs = [TensorSpec(cache_out(j), dtype, dims) for j in range(num_tensors)]
     return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(outputs))
+
+
+# --------------------------------------------------------------------------------------------
+# The one-call EAGLE-2 tree graph: context rows in, the whole drafted tree out (exporter.eagle_tree)
+
+ROOT_INDEX = "root_index"
+TREE_TOKENS = "tree_tokens"
+TREE_PARENTS = "tree_parents"
+TREE_DEPTH = "tree_depth"
+TREE_SCORES = "tree_scores"
+TREE_MASK = "tree_mask"
+TREE_ROLE_PREFIX = "draft_tree."
+
+
+def eagle_tree_role(topk: int, depth: int, total_tokens: int) -> str:
+    """Manifest role of the tree graph baked for (topk, depth, total_tokens): ``draft_tree.2-3-6``."""
+    return f"{TREE_ROLE_PREFIX}{topk}-{depth}-{total_tokens}"
+
+
+def eagle_tree_graph_spec(
+    dims: ModelDims,
+    draft_layers: int,
+    topk: int,
+    depth: int,
+    total_tokens: int,
+    n_aux: int = 0,
+) -> GraphSpec:
+    """The whole EAGLE-2 tree of one decode step in one call, for a (topk, depth, total_tokens) fixed here.
+
+    Inputs are the drafter's context rows, as for the step-wise draft graph (the features of the
+    newly accepted tokens, their next tokens, positions, mask over the drafter's cache + these rows)
+    plus ``root_index`` (B,): the row of each sequence whose output drafts the tree (its last real
+    row; the root token is that row's input id). Outputs: the ``T = total_tokens`` tree nodes in
+    verify order (node 0 the root; then by depth, score descending), the drafter K/V of the S context
+    rows (the tree rows' K/V never leave the graph)::
+
+        hidden_states float [B, S, hidden]            EAGLE-1 (base features); EAGLE-3 instead:
+        aux_hidden_states float [B, S, n_aux*hidden]
+        input_ids, position_ids int64 [B, S], attention_mask bool [B, 1, S, P+S], root_index int64 [B],
+        past_key_values.{i}.key / .value (drafter layers)
+        -> tree_tokens int64 [B, T]    target vocabulary (after d2t); [:, 0] = the root token
+           tree_parents int64 [B, T]   index into the T nodes, -1 for the root; parents[i] < i
+           tree_depth int64 [B, T]     root 0; verify position = root position + depth
+           tree_scores float32 [B, T]  cumulative draft log-prob, root 0
+           tree_mask bool [B, T, T]    [b, i, j]: node j is node i or one of its ancestors
+           present.{i}.key / .value [B, kv_heads, S, head_dim]
+    """
+    feat = (TensorSpec(AUX_HIDDEN, dims.dtype, (BATCH, SEQ, n_aux * dims.hidden_size)) if n_aux
+            else TensorSpec(HIDDEN, dims.dtype, (BATCH, SEQ, dims.hidden_size)))
+    inputs = [
+        feat,
+        TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)),
+        TensorSpec(POSITION_IDS, "int64", (BATCH, SEQ)),
+        TensorSpec(ATTENTION_MASK, "bool", (BATCH, 1, SEQ, TOTAL)),
+        TensorSpec(ROOT_INDEX, "int64", (BATCH,)),
+        *_kv_specs(True, draft_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, PAST),
+    ]
+    t = total_tokens
+    outputs = [
+        TensorSpec(TREE_TOKENS, "int64", (BATCH, t)),
+        TensorSpec(TREE_PARENTS, "int64", (BATCH, t)),
+        TensorSpec(TREE_DEPTH, "int64", (BATCH, t)),
+        TensorSpec(TREE_SCORES, "float32", (BATCH, t)),
+        TensorSpec(TREE_MASK, "bool", (BATCH, t, t)),
+        *_kv_specs(False, draft_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, SEQ),
+    ]
+    file = f"draft_tree_{topk}_{depth}_{total_tokens}.onnx"
+    return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(outputs))

@@ -21,6 +21,7 @@ class Stats:
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_total: float = 0.0
+    draft_calls: int = 0  # drafter graph calls after prefill (EAGLE step-wise: 1 + depth per step)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -48,6 +49,7 @@ class Stats:
             "time_verify": self.time_verify,
             "time_host": self.time_host,
             "time_total": self.time_total,
+            "draft_calls": self.draft_calls,
         }
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from graphs import contract as C
 from graphs.device import DeviceKVCache, run_bound
+from graphs.eagle_draft import DRAFT_MODES, baked_trees, choose_graph, one_call_steps
 from graphs.errors import InputError, as_input_error
 from graphs.kv import KVCache
 from graphs.limits import check_eagle_tree, check_medusa_tree
@@ -63,7 +64,8 @@ class Decoder:
 
     def __init__(self, out_dir, provider: str = "auto", threads: int | None = None,
                  optimization: str = "all", verify: bool = True, io_binding: bool | None = None,
-                 device_id: int = 0, session_options=None, provider_options: dict | None = None):
+                 device_id: int = 0, session_options=None, provider_options: dict | None = None,
+                 eagle_draft: str = "auto", adaptive: bool = True):
         self.out_dir = Path(out_dir)
         self.manifest = Manifest.read(self.out_dir, verify=verify)
         self.provider = resolve_provider(provider)
@@ -99,6 +101,15 @@ class Decoder:
         self.draft = session("draft")
         self.kv_update = session("kv_update") if self.io_binding else None
         self.draft_kv_update = session("draft_kv_update") if self.io_binding else None
+        # one-call EAGLE trees (graphs.eagle_draft): a session per baked (topk, depth, total_tokens)
+        if eagle_draft not in DRAFT_MODES:
+            raise InputError(f"unknown eagle_draft {eagle_draft!r}; accepted: {', '.join(DRAFT_MODES)}")
+        self.eagle_draft = eagle_draft
+        self.tree_sessions = {} if eagle_draft == "stepwise" else {r: session(r) for r in baked_trees(m).values()}
+        self.adaptive = bool(adaptive)
+        self._adaptive_now = self.adaptive  # for the current run (off for seeded sampling)
+        self.last_policy = None  # graphs.adaptive.AdaptivePolicy of the last one-call EAGLE run
+        self.adaptive_config = None  # a graphs.adaptive.AdaptiveConfig, None: its defaults
         self._capacity = 256  # K/V columns to preallocate on the device, set per run
         self.drafter = m.drafter
         self.kind = m.drafter["kind"] if m.drafter else None
@@ -219,6 +230,9 @@ class Decoder:
         stats = Stats(prompt_tokens=sum(len(s.prompt) for s in seqs))
         self.last_stats = stats  # filled in as the run goes (also when a stream is left early)
         t_start = time.perf_counter()
+        # a seeded sampling run stays reproducible: the adaptive policy (which follows measured times)
+        # is off for it
+        self._adaptive_now = self.adaptive and (p.seed is None or sampler.temperature == 0)
         steps = {"autoregressive": self._autoregressive, "speculative": self._speculative}[mode]
         for emitted in steps(seqs, sampler, stats, p.tree, max_new_tokens):
             events = [self._emit(seqs[b], b, toks, max_new_tokens, p.stop_strings, eos) for b, toks in emitted]
@@ -358,7 +372,12 @@ class Decoder:
         if self.kind == "medusa":
             yield from self._medusa(seqs, sampler, stats, self._medusa_tree(tree))
         else:
-            yield from self._eagle(seqs, sampler, stats, self._eagle_tree(tree))
+            cfg = self._eagle_tree(tree)
+            role = choose_graph(self.manifest, cfg, self.eagle_draft)
+            if role is not None:
+                yield from one_call_steps(self, seqs, sampler, stats, role, adaptive=self._adaptive_now)
+            else:
+                yield from self._eagle(seqs, sampler, stats, cfg)
 
     def _verify_and_accept(self, kv, seqs, sampler, stats, trees: list[Tree], tokens: np.ndarray, pos,
                            layout=None):
@@ -420,6 +439,7 @@ class Decoder:
             t0 = time.perf_counter()
             (ids,) = self.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden[:, None], C.TOPK_IN: topk})
             stats.time_draft += time.perf_counter() - t0
+            stats.draft_calls += 1
             cand = medusa_candidates_batch(tree, root, ids[:, 0])  # (B, T)
             out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout)
             emitted = []
@@ -471,6 +491,7 @@ class Decoder:
         t0 = time.perf_counter()
         out = self._execute(self.draft, self.draft_spec, feed, dkv, [C.HIDDEN_OUT, C.TOPK_IDS, C.TOPK_LOGPROBS])
         stats.time_draft += time.perf_counter() - t0
+        stats.draft_calls += 1
         return out
 
     def _eagle(self, seqs, sampler, stats, cfg: dict):
@@ -585,7 +606,7 @@ def _is_batch(prompt) -> bool:
 
 def load(out_dir, provider: str = "auto", threads: int | None = None, optimization: str = "all",
          verify: bool = True, io_binding: bool | None = None, device_id: int = 0, session_options=None,
-         provider_options: dict | None = None) -> Decoder:
+         provider_options: dict | None = None, eagle_draft: str = "auto", adaptive: bool = True) -> Decoder:
     """Build a :class:`Decoder` from an export directory (checks every file's sha256 first).
 
     ``provider``: "auto" (CUDA EP when onnxruntime-gpu sees a GPU, else CPU EP), "cuda", "cpu".
@@ -593,7 +614,13 @@ def load(out_dir, provider: str = "auto", threads: int | None = None, optimizati
     ``device_id``: which GPU (CUDA EP). ``session_options``: an ``onnxruntime.SessionOptions`` used
     as given, or a dict of its attributes / session config entries applied on top of ours.
     ``provider_options``: options of the execution provider (e.g. CUDA's ``gpu_mem_limit``).
+    ``eagle_draft``: "auto" (one drafter call per step when the export baked the requested EAGLE
+    tree, else step-wise), "one_call" (require a baked tree), "stepwise" (1 + depth calls per step).
+    ``adaptive``: shrink the tree or fall back to one-token steps when speculation stops paying
+    (graphs.adaptive; one-call EAGLE); greedy output is the same either way and sampling keeps the
+    base distribution. The choices follow measured times, so the policy is off for seeded
+    sampling runs (``seed=...``, temperature > 0): those stay reproducible.
     """
     return Decoder(out_dir, provider=provider, threads=threads, optimization=optimization, verify=verify,
                    io_binding=io_binding, device_id=device_id, session_options=session_options,
-                   provider_options=provider_options)
+                   provider_options=provider_options, eagle_draft=eagle_draft, adaptive=adaptive)

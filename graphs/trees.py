@@ -250,6 +250,41 @@ def default_medusa_paths(num_heads: int, size: int | None = None) -> list[list[i
     return out
 
 
+def medusa_paths_from_acceptance(acc: np.ndarray, size: int, min_prob: float = 1e-3) -> list[list[int]]:
+    """The static tree of ``size`` nodes (root included) with the most expected accepted tokens.
+
+    ``acc`` (heads, K): measured probability that head h's rank-r token is the true one. As in the
+    Medusa paper, a path's acceptance is the product of its (head, rank) accuracies and the tree's
+    expected accepted tokens is 1 + the sum over its nodes, so nodes are added best-first (prefix-
+    closed: a node enters only after its parent)::
+
+        medusa_paths_from_acceptance(np.array([[.6, .2], [.5, .1]]), 4)  # -> [[0], [0, 0], [1]]
+    """
+    acc = np.asarray(acc, dtype=np.float64)
+    if acc.ndim != 2 or acc.size == 0:
+        raise ValueError(f"medusa_paths_from_acceptance: acc must be (heads, K), got shape {acc.shape}")
+    heads, k = acc.shape
+    prob = {(): 1.0}
+    heap = [(-acc[0, r], (r,)) for r in range(k)]
+    heapq.heapify(heap)
+    out: list[list[int]] = []
+    while heap and len(out) < size - 1:
+        neg, path = heapq.heappop(heap)
+        if -neg < min_prob:
+            break
+        out.append(list(path))
+        prob[path] = -neg
+        if len(path) < heads:
+            for r in range(k):
+                heapq.heappush(heap, (-(prob[path] * acc[len(path), r]), (*path, r)))
+    return out
+
+
+def expected_accepted(paths: list[list[int]], acc: np.ndarray) -> float:
+    """1 + the sum of the paths' acceptance products: tokens per step of a static tree under ``acc``."""
+    return 1.0 + sum(math.prod(acc[h, r] for h, r in enumerate(p)) for p in paths)
+
+
 def load_tree_file(path) -> list[list[int]]:
     """Read Medusa paths from JSON: ``[[0], [1], [0, 0]]`` or ``{"paths": [[0], [1], [0, 0]]}``."""
     p = Path(path)

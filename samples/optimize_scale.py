@@ -37,9 +37,13 @@ def build(shape: str, layers: int | None):
         from samples.scale_export import build_model
 
         return build_model(layers)
-    from exporter.tiny import tiny_model
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    return tiny_model("llama", **{**MEDIUM, **({"num_hidden_layers": layers} if layers else {})})
+    cfg = LlamaConfig(**{**MEDIUM, **({"num_hidden_layers": layers} if layers else {})},
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def main(argv=None) -> int:

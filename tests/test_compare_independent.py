@@ -41,7 +41,7 @@ def eagle3_model(aux_ids=None):
     """The fixtures' tiny EAGLE-3 model, or the same with other aux layer ids."""
     if aux_ids is None:
         return build_tiny_model("llama", "eagle3")
-    from exporter.tiny import tiny_model
+    from tiny import tiny_model
 
     from exporter.speculative import convert
 

@@ -213,7 +213,7 @@ def test_files_hashed_and_copied(cli_exports, case):
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out_dir / name).read_bytes() == (model_dir / name).read_bytes()
     assert manifest.tokenizer == "tokenizer.json"
-    kv = {"kv_update.onnx"} | ({"draft_kv_update.onnx"} if case[1] != "medusa" else set())
+    kv = {"kv_update.onnx"} | ({"draft_kv_update.onnx", "draft_tree_2_3_6.onnx"} if case[1] != "medusa" else set())
     assert {n for n in on_disk if n.endswith(".onnx")} == {"base.onnx", "draft.onnx"} | kv
     assert not any(n.endswith(".data") for n in on_disk)  # tiny: weights inline
 
@@ -255,8 +255,8 @@ def test_float16_export(main_exports, model_type, kind):
     assert manifest.source["dtype"] == "float16"
     for spec in manifest.graphs.values():
         floats = [t for t in (*spec.inputs, *spec.outputs) if t.dtype.startswith("float")]
-        # topk_logprobs is float32 by contract (log-softmax in float32); everything else float16
-        assert {t.dtype for t in floats if t.name != C.TOPK_LOGPROBS} == {"float16"}
+        # topk_logprobs and tree_scores are float32 by contract (log-softmax in float32); everything else float16
+        assert {t.dtype for t in floats if t.name not in (C.TOPK_LOGPROBS, C.TREE_SCORES)} == {"float16"}
     assert manifest.validation["ok"] is True and manifest.validation["dtype"] == "float16"
     report = compare(model_dir, out_dir)
     assert report.ok, report.table()

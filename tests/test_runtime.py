@@ -172,8 +172,11 @@ def trained(references, tmp_path_factory):
                 enable_huggingface_checkpointing()
                 model.save_pretrained(root / "model")
             write_tiny_tokenizer(root / "model", VOCAB)
-            export(root / "model", root / "onnx", log=lambda *a, **k: None)
-            decoder = graphs.load(root / "onnx", provider="cpu", threads=1)
+            trees = [(2, 3, 6), (4, 4, 12)] if kind != "medusa" else None  # one-call graphs: default + 4-4-12
+            export(root / "model", root / "onnx", log=lambda *a, **k: None, eagle_trees=trees)
+            # adaptive=False: these tests exercise tree acceptance, which the adaptive policy may skip on
+            # models this small (a plain step is often faster); test_adaptive_greedy_is_exact covers it
+            decoder = graphs.load(root / "onnx", provider="cpu", threads=1, adaptive=False)
             cache[kind] = Trained(kind, root / "onnx", decoder, refs, targets)
         return cache[kind]
 
@@ -281,17 +284,18 @@ def test_eagle3_draft_vocabulary_maps_to_target_ids(trained, monkeypatch):
     targets = set(t.draft_targets)
     assert max(targets) >= 200 and len(targets) == 200
     seen: list[np.ndarray] = []
-    run_draft = type(t.decoder)._run_draft
+    decoder = graphs.load(t.out_dir, provider="cpu", threads=1, eagle_draft="stepwise", adaptive=False)
+    run_draft = type(decoder)._run_draft
 
     def spy(self, *args, **kwargs):
         out = run_draft(self, *args, **kwargs)
         seen.append(out["topk_ids"].ravel())
         return out
 
-    monkeypatch.setattr(type(t.decoder), "_run_draft", spy)
+    monkeypatch.setattr(type(decoder), "_run_draft", spy)
     accepted_drafts = []  # drafted tokens the base accepted: all but the last token of each step
     for p, ref in zip(PROMPTS, t.refs):
-        events = list(t.decoder.stream(p, max_new_tokens=N_NEW))
+        events = list(decoder.stream(p, max_new_tokens=N_NEW))
         assert [x for e in events for x in e.token_ids] == ref
         accepted_drafts += [x for e in events[1:] for x in e.token_ids[:-1]]
     ids = np.concatenate(seen)
@@ -388,7 +392,7 @@ def test_stats_are_sane(trained, kind):
             assert s.time_draft == 0 and set(s.accepted) == {1} and s.steps == n - 1
         else:
             assert s.time_draft > 0 and s.mean_accepted_length > 1
-            depth = {"medusa": 3, "eagle": 5, "eagle3": 5}[kind]  # default trees: heads / depth + 1
+            depth = {"medusa": 3, "eagle": 4, "eagle3": 4}[kind]  # deepest node: heads; EAGLE depth + 1 (2/3/6)
             assert max(s.accepted) <= depth + 1
     batch = t.decoder.generate(PROMPTS[:3], max_new_tokens=5)
     s = batch[0].stats
@@ -499,3 +503,52 @@ def test_host_overhead_is_reported(trained, kind):
           f"host {s.time_host * 1e3:.1f} ms, total {s.time_total * 1e3:.1f} ms); autoregressive "
           f"{s_ar.time_host / s_ar.time_total:.1%}")
     assert 0 <= s.time_host <= s.time_total
+
+
+# --------------------------------------------------------------------------------------------
+# Drafting: every tree the runtime builds equals the PyTorch reference's (tests/draft_reference.py).
+# Greedy equality cannot see a wrong draft (a stale drafter cache, an off-by-one position, the wrong
+# hidden state): each of those only lowers acceptance. These tests see them.
+
+REFERENCE_CASES = [("medusa", "default", "-", b) for b in (1, 3)] + [("medusa", "deep_wide", "-", 1)] + [
+    (kind, name, draft, b) for kind in ("eagle", "eagle3") for name in ("default", "4-4-12")
+    for draft in ("stepwise", "one_call") for b in ((1, 3) if name == "default" else (3,))]
+
+
+@pytest.mark.parametrize(("kind", "name", "draft", "batch"), REFERENCE_CASES)
+def test_drafts_equal_the_pytorch_reference(trained, kind, name, draft, batch):
+    from draft_reference import captured_steps, check_drafts, torch_model
+
+    t = trained(kind)
+    model = torch_model(t.out_dir.parent / "model")
+    tree = _tree(kind, name)
+    prompts = [PROMPTS[i] for i in ((2, 5, 9) if batch > 1 else (7,))]
+    decoder = t.decoder if kind == "medusa" else graphs.load(t.out_dir, provider="cpu", threads=1, eagle_draft=draft,
+                                                                      adaptive=False)
+    with captured_steps(decoder) as steps:
+        results = decoder.generate(prompts, max_new_tokens=12, tree=tree)
+    if kind != "medusa":  # one drafter call per step, or 1 + depth
+        calls = 1 if draft == "one_call" else 1 + decoder._eagle_tree(tree)["depth"]
+        assert results[0].stats.draft_calls == calls * results[0].stats.steps
+    cfg = None if kind == "medusa" else t.decoder._eagle_tree(tree)
+    checked = check_drafts(model, prompts, results, steps, eagle_cfg=cfg)
+    assert checked >= 3 * batch
+    assert max(results[0].stats.accepted) > 2  # trees were accepted: later steps had multi-token context
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_adaptive_greedy_is_exact(trained, kind, autoregressive_tokens):
+    """Whatever the adaptive policy switches to (cut trees, plain steps without the drafter, probes),
+    greedy output is the base's; forced into plain steps the drafter's waiting rows catch up later."""
+    from graphs.adaptive import AdaptiveConfig
+
+    t = trained(kind)
+    decoder = graphs.load(t.out_dir, provider="cpu", threads=1, adaptive=True)
+    results = decoder.generate(PROMPTS[:4], max_new_tokens=N_NEW)
+    assert [r.token_ids for r in results] == autoregressive_tokens[:4]
+    # a policy that must alternate: speculation costs 10x a plain step, probes every 2 plain steps
+    decoder.adaptive_config = AdaptiveConfig(probe_every=2, max_probe_every=2, margin=10.0)
+    results = decoder.generate(PROMPTS[4:7], max_new_tokens=N_NEW)
+    assert [r.token_ids for r in results] == autoregressive_tokens[4:7]
+    widths = decoder.last_policy.history
+    assert 1 in widths and max(widths) > 1  # both kinds of step happened
