@@ -257,7 +257,9 @@ def _role_dtype(entry, spec: C.GraphSpec) -> str:
     declared = entry.get("dtype") if isinstance(entry, dict) else None
     if declared in {d for d, _ in TOLERANCES}:
         return declared
-    return next((t.dtype for t in spec.outputs if t.dtype.startswith(("float", "bfloat"))), "float32")
+    # the first floating-point input (K/V or hidden states): some outputs stay float32 (tree scores)
+    return next((t.dtype for t in (*spec.inputs, *spec.outputs) if t.dtype.startswith(("float", "bfloat"))),
+                "float32")
 
 
 def output_rows(role: str, case: str, spec: C.GraphSpec, ref: dict[str, np.ndarray], got: dict[str, np.ndarray],

@@ -367,7 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES), help="precision of the graphs")
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier export in out_dir")
     ap.add_argument("--overwrite-non-export", metavar="OUT_DIR",
-                    help="replace out_dir whatever it holds (deletes it); must repeat out_dir")
+                    help="replace out_dir whatever it holds (deletes it); must repeat out_dir (default: never)")
     ap.add_argument("--opset", type=int, default=OPSET, help="ONNX opset of the graphs")
     ap.add_argument("--eagle-trees", nargs="+", type=parse_tree, metavar="K,D,T",
                     help="EAGLE: bake one-call draft graphs for these (topk, depth, total_tokens) trees "

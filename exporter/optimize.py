@@ -363,9 +363,21 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
     t_start = time.perf_counter()
     log(f"optimize {out_dir}: target {options.target}, quantize {options.quantize}, "
         f"fuse {options.fuse}, dtype {'float16' if options.use_float16 else 'float32'}", flush=True)
+    trees = [r for r in manifest.graphs if r.startswith(C.TREE_ROLE_PREFIX)]
+    dropped = set()
+    if trees and options.use_float16:
+        # The one-call EAGLE tree graphs (exporter.eagle_tree) are not converted yet: in a float16 export
+        # they would read float16 drafter K/V with float32 inputs, so they are left out and the runtime
+        # drafts step-wise (graphs.eagle_draft falls back when a tree is not baked). float32 targets keep
+        # them as traced: drafts, not outputs, so a raw drafter beside fused/int4 graphs stays lossless.
+        dropped = {p for r in trees for p in _graph_files(out_dir, manifest.graphs[r])}
+        log(f"  one-call EAGLE tree graphs ({', '.join(trees)}) are not converted to float16: left out, the "
+            f"runtime drafts step-wise", flush=True)
+        manifest.graphs = {r: g for r, g in manifest.graphs.items() if r not in trees}
+        manifest.tree = {**manifest.tree, "eagle_trees": []}
     specs = {role: _specs_for(spec, options.use_float16) for role, spec in manifest.graphs.items()}
-    rewritten = {p for role in specs for p in _graph_files(out_dir, manifest.graphs[role])
-                 if role in TRACED or options.use_float16}
+    rewritten = dropped | {p for role in specs for p in _graph_files(out_dir, manifest.graphs[role])
+                           if role in TRACED or options.use_float16}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.optimize-", dir=out_dir.parent))
     try:
         records = {}
@@ -373,7 +385,7 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
             if role in TRACED:
                 records[role] = optimize_graph(out_dir / manifest.graphs[role].file, tmp / specs[role].file, role,
                                                options, log)
-            elif options.use_float16:  # the K/V update graphs follow the cache dtype
+            elif options.use_float16 and not role.startswith(C.TREE_ROLE_PREFIX):  # K/V updates: the cache dtype
                 from exporter.kvgraph import build_kv_update
 
                 build_kv_update(specs[role], tmp / specs[role].file, opset=manifest.opset)

@@ -79,7 +79,9 @@ class OursRunner:
         s = res.stats
         return {"tokens": list(map(int, res.token_ids)), "prefill_s": s.time_prefill,
                 "decode_s": s.time_total - s.time_prefill, "draft_s": s.time_draft, "verify_s": s.time_verify,
-                "accepted": list(map(int, s.accepted)), "forwards": int(s.steps), "draft_calls": self.draft_calls}
+                "accepted": list(map(int, s.accepted)), "forwards": int(s.steps),
+                # the runtime's own count covers the one-call EAGLE tree graphs too; the proxy, older runtimes
+                "draft_calls": int(getattr(s, "draft_calls", 0) or self.draft_calls)}
 
 
 class _Counting:
