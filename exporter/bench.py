@@ -301,33 +301,40 @@ def main(argv=None) -> int:
 
     ap = ArgumentParser(prog="python -m exporter.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", help="an export directory")
-    ap.add_argument("--model-dir", help="the HF model directory the export came from (peers build from it)")
-    ap.add_argument("--prompts-file", help="prompts: text (one per line) or JSONL with 'prompt' or 'messages'")
+    ap.add_argument("--model-dir",
+                    help="the HF model directory the export came from (peers build from it; "
+                         "default: no peers that need it)")
+    ap.add_argument("--prompts-file",
+                    help="prompts: text (one per line) or JSONL with 'prompt' or 'messages' "
+                         "(default: the built-in set)")
     ap.add_argument("--prompts", "--count", dest="prompts", type=int, default=None,
                     help="how many prompts (cycles the file or built-in set; default: the whole file, or 8 built-in)")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="token budget per prompt, every system")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each prompt per system")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked equal)")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--threads", type=int, default=None, help="threads per system (default: all cores)")
     ap.add_argument("--tree", help="tree JSON file for ours-spec (default: the manifest's)")
     ap.add_argument("--precisions", default="fp32", help="comma list of fp32,opt,int8,int4 (ours: opt/int8/int4 "
                                                          "through the optimize stage; genai: fp32/int4 builds)")
     ap.add_argument("--peers", default=",".join(PEERS), help="comma list of genai,hf,optimum ('' for none)")
-    ap.add_argument("--draft-model", help="HF draft model directory for hf-assisted (assisted generation)")
+    ap.add_argument("--draft-model",
+                    help="HF draft model directory for hf-assisted (assisted generation; default: not run)")
     ap.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
-    ap.add_argument("--optimum-python", help="python of an environment with optimum-onnx installed")
+    ap.add_argument("--optimum-python",
+                    help="python of an environment with optimum-onnx installed (default: optimum skipped with a line)")
     ap.add_argument("--load-option", action="append", default=[], metavar="KEY=VALUE",
                     help="extra graphs.load() keyword for our systems (JSON value), e.g. eagle_draft=\"one_call\"")
     ap.add_argument("--sweep", action="store_true", help="also measure ours-spec against tree size")
     ap.add_argument("--work", help="keep peers' model builds here and reuse them (default: a temporary dir)")
-    ap.add_argument("--json", help="write the report as JSON here")
-    ap.add_argument("--png", help="draw the report here")
+    ap.add_argument("--json", help="write the report as JSON here (default: not written)")
+    ap.add_argument("--png", help="draw the report here (default: not drawn)")
     ap.add_argument("--variants", help="instead of the systems run: compare optimized variants of a raw export, "
-                    "e.g. raw,fused,int8,int4 (exporter.variants; verify latency at 1/8/16/32 tree tokens, tok/s)")
-    ap.add_argument("--debug", action="store_true")
+                    "e.g. raw,fused,int8,int4 (exporter.variants; verify latency at 1/8/16/32 tree tokens, tok/s; "
+                    "default: not run)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
 
     def body():

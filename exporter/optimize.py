@@ -444,7 +444,7 @@ def main(argv=None) -> int:
     ap.add_argument("out_dir", help="an export directory (holds manifest.json); rewritten in place")
     add_arguments(ap)
     ap.add_argument("--no-validate", action="store_true", help="skip the raw-vs-optimized parity check (not advised)")
-    ap.add_argument("--json", help="also write the summary as JSON to this file")
+    ap.add_argument("--json", help="also write the summary as JSON to this file (default: not written)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_intermixed_args(argv)
 

@@ -344,13 +344,16 @@ def main(argv=None) -> int:
 
     ap = ArgumentParser(prog="python -m exporter.tune", description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", help="an export directory (holds manifest.json)")
-    ap.add_argument("--prompts", help="calibration prompts: a text file (one per line) or a JSON list")
-    ap.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="cpu")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prompts", help="calibration prompts: a text file (one per line) or a JSON list "
+                                      "(default: the built-in set)")
+    ap.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="cpu",
+                    help="ONNX Runtime provider to tune for")
+    ap.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: all cores)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="time for the EAGLE (topk, depth) sweep")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens per calibration prompt")
-    ap.add_argument("--model-dir", help="EAGLE: the model_dir of the export, to bake a new winning tree")
-    ap.add_argument("--json", help="write the full report (every candidate) to this file")
+    ap.add_argument("--model-dir", help="EAGLE: the model_dir of the export, to bake a new winning tree "
+                         "(default: only baked trees compete)")
+    ap.add_argument("--json", help="write the full report (every candidate) to this file (default: not written)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
 

@@ -17,7 +17,8 @@ from conftest import run_module
 from exporter.cli import HelpFormatter
 from exporter.loading import UserError
 
-CLIS = ["exporter.export", "exporter.generate", "exporter.compare"]  # exporter.bench: its owner's (see report)
+CLIS = ["exporter.export", "exporter.generate", "exporter.compare", "exporter.bench", "exporter.optimize",
+        "exporter.tune"]
 
 
 class _ParsedError(Exception):
