@@ -34,18 +34,8 @@ if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import graphs
+from exporter.benchmark.prompts import DEFAULT_PROMPTS as PROMPTS
 from graphs.sessions import use_shared_thread_pool
-
-PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(",
-    "class Config:\n    def __init__(self, ",
-    "    for name, value in ",
-    "def _parse(self, text):\n    ",
-    "        if not isinstance(",
-    "    return ",
-    "# Copyright",
-    "from collections import ",
-]
 
 
 def _systems(eagle_out, medusa_out, threads):

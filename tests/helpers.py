@@ -51,3 +51,24 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def run_export_main(capsys, *args) -> tuple[int, str]:
+    """``python -m exporter.export args`` in process: (exit code, stderr)."""
+    import exporter.export as ex
+
+    try:
+        rc = ex.main([str(a) for a in args])
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+def one_line(rc: int, err: str, *fragments: str) -> str:
+    """Assert a user error: exit 2, one ``error:`` line holding every fragment, no traceback."""
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for f in fragments:
+        assert f in lines[0], f"{f!r} not in {lines[0]!r}"
+    return lines[0]

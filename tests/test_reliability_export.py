@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_module
+from helpers import one_line, run_export_main
 
 import exporter.export as ex
 import exporter.outdir
@@ -28,21 +29,7 @@ from graphs.manifest import MANIFEST, PARTIAL_MARK
 QUIET = {"log": lambda *a, **k: None}
 
 
-def run_main(capsys, *args) -> tuple[int, str]:
-    try:
-        rc = ex.main([str(a) for a in args])
-    except SystemExit as e:
-        rc = e.code
-    return rc, capsys.readouterr().err
-
-
-def one_line(rc: int, err: str, *fragments: str) -> str:
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    for f in fragments:
-        assert f in lines[0], f"{f!r} not in {lines[0]!r}"
-    return lines[0]
+run_main = run_export_main
 
 
 def ours(parent: Path) -> list[str]:

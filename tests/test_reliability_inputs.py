@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_model, run_module, save_tiny_model
+from helpers import one_line, run_export_main
 
 import exporter.export as ex
 from exporter.loading import UserError, load_model
@@ -23,21 +24,7 @@ from graphs.manifest import MANIFEST
 QUIET = {"log": lambda *a, **k: None}
 
 
-def run_main(capsys, *args) -> tuple[int, str]:
-    try:
-        rc = ex.main([str(a) for a in args])
-    except SystemExit as e:
-        rc = e.code
-    return rc, capsys.readouterr().err
-
-
-def one_line(rc: int, err: str, *fragments: str) -> str:
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    for f in fragments:
-        assert f in lines[0], f"{f!r} not in {lines[0]!r}"
-    return lines[0]
+run_main = run_export_main
 
 
 @pytest.fixture
