@@ -111,15 +111,10 @@ def one_call_steps(dec, seqs, sampler, stats, role: str, adaptive: bool = False)
     that pays, down to plain one-token steps that skip the drafter (greedy output is unchanged).
     """
     spec, session = dec.manifest.graphs[role], dec.tree_sessions[role]
-    kv, out, last = dec._prefill(seqs, stats)
-    bsz = len(seqs)
-    rows = np.arange(bsz)
-    d = dec.drafter
-    dkv = dec._new_cache(bsz, d["num_layers"], d["num_kv_heads"], d["head_dim"], draft=True)
-    feat_name = C.AUX_HIDDEN if d.get("eagle3") else C.HIDDEN
+    kv, out, last, rows, dkv, feat_name, root = dec._eagle_start(seqs, sampler, stats)
+    bsz, d = len(seqs), dec.drafter
     policy = AdaptivePolicy(bsz, spec.output(C.TREE_TOKENS).dims[1], dec.adaptive_config) if adaptive else None
     dec.last_policy = policy
-    root = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
     yield [(b, [int(root[b])]) for b in rows]
     pend = PendingRows([out[feat_name][b, : last[b] + 1] for b in rows],
                        [np.append(seqs[b].prompt[1:], root[b]) for b in rows], dec.dtype, dec.pad)

@@ -494,14 +494,20 @@ class Decoder:
         stats.draft_calls += 1
         return out
 
-    def _eagle(self, seqs, sampler, stats, cfg: dict):
+    def _eagle_start(self, seqs, sampler, stats):
+        """What both EAGLE loops (step-wise here, one-call in graphs.eagle_draft) begin with: the
+        prefill, an empty drafter cache, the base feature the drafter reads and the first token."""
         kv, out, last = self._prefill(seqs, stats)
-        bsz = len(seqs)
-        rows = np.arange(bsz)
+        rows = np.arange(len(seqs))
         d = self.drafter
-        dkv = self._new_cache(bsz, d["num_layers"], d["num_kv_heads"], d["head_dim"], draft=True)
+        dkv = self._new_cache(len(seqs), d["num_layers"], d["num_kv_heads"], d["head_dim"], draft=True)
         feat_name = C.AUX_HIDDEN if d.get("eagle3") else C.HIDDEN
         root = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
+        return kv, out, last, rows, dkv, feat_name, root
+
+    def _eagle(self, seqs, sampler, stats, cfg: dict):
+        kv, out, last, rows, dkv, feat_name, root = self._eagle_start(seqs, sampler, stats)
+        bsz, d = len(seqs), self.drafter
         yield [(b, [int(root[b])]) for b in rows]
         # drafter context: (feature of position t, token t+1) for every position not yet drafted from
         pend_feats = [out[feat_name][b, : last[b] + 1] for b in rows]

@@ -14,9 +14,9 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
+from test_compare import run_compare
 
 from exporter.compare import TOLERANCES, _role_dtype, compare
-from exporter.compare import main as compare_main
 from exporter.distance import QUALITY, Quality, logits_distance, perplexity
 from graphs import contract as C
 from graphs.manifest import MANIFEST, Manifest
@@ -51,13 +51,6 @@ def quantize_base(src, dst, bits: int, declare: bool = True, lm_head_noise: floa
     return dst
 
 
-def run_compare(capsys, *args) -> tuple[int, str, str]:
-    try:
-        rc = compare_main([str(a) for a in args])
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.mark.parametrize("bits", [4, 8])
