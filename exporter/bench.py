@@ -273,7 +273,10 @@ def _sweep(systems, prompts, manifest, opts: BenchOptions, log) -> list | None:
         log("sweep: skipped (ours-spec or ours-ar did not run)")
         return None
     rows = []
-    for tree in _tree_sizes(manifest.drafter["kind"], manifest.drafter):
+    # the export's own default first (the tuned one after exporter.tune / exporter.optimize), then the
+    # hand-picked trees of growing size, all under the same protocol
+    default = manifest.tree.get("eagle") if manifest.drafter["kind"] == "eagle" else manifest.tree.get("medusa_paths")
+    for tree in ([default] if default else []) + _tree_sizes(manifest.drafter["kind"], manifest.drafter):
         runs = {"spec": [], "ar": []}
         for r in range(max(1, opts.repeats // 2)):
             for i, p in enumerate(prompts):
@@ -290,9 +293,19 @@ def _sweep(systems, prompts, manifest, opts: BenchOptions, log) -> list | None:
         row = {"tree": tree, "tree_size": _tree_size(tree), "decode_tokens_per_s": tps["spec"],
                "autoregressive_tokens_per_s": tps["ar"], "speedup": tps["spec"] / max(tps["ar"], 1e-9),
                "mean_accepted_length": sum(acc) / len(acc) if acc else 0.0}
+        if not rows and default:
+            row["default"] = True
+            row["tuned"] = "tuned" in manifest.tree
         rows.append(row)
-        log(f"  tree size {row['tree_size']:3d}: {row['decode_tokens_per_s']:.1f} tok/s "
+        name = ("default" + (" (tuned)" if row.get("tuned") else "")) if row.get("default") else "tree"
+        log(f"  {name} size {row['tree_size']:3d}: {row['decode_tokens_per_s']:.1f} tok/s "
             f"({row['speedup']:.2f}x ours-ar beside it), tau {row['mean_accepted_length']:.2f}")
+    hand = [r for r in rows if not r.get("default")]
+    if rows and rows[0].get("default") and hand:
+        best = max(hand, key=lambda r: r["speedup"])
+        rows[0]["vs_best_hand_picked"] = rows[0]["speedup"] / best["speedup"]
+        log(f"  default tree vs the best hand-picked one (size {best['tree_size']}): "
+            f"{rows[0]['vs_best_hand_picked']:.2f}x")
     return rows
 
 
@@ -334,6 +347,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", help="instead of the systems run: compare optimized variants of a raw export, "
                     "e.g. raw,fused,int8,int4 (exporter.variants; verify latency at 1/8/16/32 tree tokens, tok/s; "
                     "default: not run)")
+    ap.add_argument("--tune", action="store_true", help="with --variants: re-tune each variant's default tree "
+                    "for its own graphs before the end-to-end run, as exporter.optimize does (default: the "
+                    "export's tree for all)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
 
@@ -352,7 +368,7 @@ def main(argv=None) -> int:
             use_shared_thread_pool(args.threads)  # one ORT pool for base, draft and K/V sessions
             report = variants.run_variants(args.out_dir, _csv(args.variants), max_new_tokens=args.max_new_tokens,
                                            repeats=args.repeats, prompts=args.prompts or 8, threads=args.threads,
-                                           sweep=args.sweep)
+                                           sweep=args.sweep, tune=args.tune)
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
             if args.png:

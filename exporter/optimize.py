@@ -334,12 +334,20 @@ def _time_gain(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, log) -
     return gains
 
 
-def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", progress=print, **opts) -> dict:
+def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", progress=print, tune: bool = False,
+                    tune_budget_s: float = 60.0, tune_prompts: list[str] | None = None,
+                    tune_threads: int | None = None, **opts) -> dict:
     """Optimize the export in ``out_dir`` in place; returns the summary (JSON-able).
 
     ``opts``: the other fields of :class:`OptimizeOptions` (fuse, float16, block_size,
     accuracy_level, validate, time_gain). Raises :class:`UserError` on bad input; the export is
     then untouched.
+
+    ``tune``: then re-tune the default tree for the optimized graphs on this machine
+    (:func:`exporter.tune.tune`; the CLI's default). Fusion and above all int4 change how a step's
+    cost grows with tree size (measured on a 71M base: 8 tokens cost 1.65x one in float32, 2.4x in
+    int4), so a tree tuned on the raw graphs is not the best one for these. Skipped, with a line
+    saying so, for exports without a drafter and for a target whose provider this machine lacks.
     """
     unknown = set(opts) - {f.name for f in dataclasses.fields(OptimizeOptions)}
     if unknown:
@@ -423,7 +431,38 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
     }
     log(f"optimized {out_dir} in {summary['seconds']:.1f} s: "
         + "; ".join(f"{r} {'+'.join(v['passes'])}" for r, v in records.items()), flush=True)
+    if tune:
+        summary["tune"] = _retune(out_dir, options, manifest, tune_budget_s, tune_prompts, tune_threads, log)
     return summary
+
+
+def _retune(out_dir: Path, options: OptimizeOptions, manifest: Manifest, budget_s: float, prompts, threads,
+            log) -> dict:
+    """Re-tune the default tree on the optimized graphs (a step after the swap: the optimized export is
+    complete and valid whatever happens here)."""
+    import onnxruntime as ort
+
+    if not manifest.drafter:
+        log("tune: no drafter in this export, no tree to tune", flush=True)
+        return {"skipped": "no drafter"}
+    provider = options.target
+    if TARGETS[provider] not in ort.get_available_providers():
+        log(f"tune: skipped, this machine has no {TARGETS[provider]}; on the {provider} machine run "
+            f"python -m exporter.tune {out_dir} --provider {provider}", flush=True)
+        return {"skipped": f"no {TARGETS[provider]} here"}
+    from exporter.tune import tune
+
+    log(f"tune: the default tree for these graphs on this machine (budget {budget_s:.0f} s; --no-tune skips)",
+        flush=True)
+    try:
+        report = tune(out_dir, prompts=prompts, provider=provider, threads=threads, budget_s=budget_s,
+                      log=lambda *a, **k: log("  " + " ".join(map(str, a)), **k))
+    except UserError as e:
+        raise UserError(f"{out_dir} is optimized, but tuning its tree failed ({e}); the default tree is the "
+                        f"untuned one: retry with python -m exporter.tune {out_dir}") from None
+    best = report["best"]
+    return report["confirmed"] | {"tree": best.get("medusa_paths") or {k: best[k] for k in ("topk", "depth",
+                                                                                         "total_tokens")}}
 
 
 def _versions() -> dict:
@@ -464,6 +503,11 @@ def add_arguments(ap) -> None:
     ap.add_argument("--no-fuse", action="store_true", help="skip the attention and norm fusions")
     ap.add_argument("--float32", action="store_true", help="keep float32 on --target cuda")
     ap.add_argument("--block-size", type=int, default=32, help="quantization block size (default 32)")
+    ap.add_argument("--no-tune", action="store_true",
+                    help="keep the default tree as it is instead of re-tuning it for the optimized graphs "
+                         "on this machine (default: re-tune, python -m exporter.tune)")
+    ap.add_argument("--tune-budget-s", type=float, default=60.0,
+                    help="time for the EAGLE tree sweep of the re-tuning (default 60)")
     ap.add_argument("--accuracy-level", type=int, default=0,
                     help="MatMulNBits compute: 0 float32 (default, lossless speculative), 4 int8 (faster on CPUs)")
 
@@ -471,7 +515,7 @@ def add_arguments(ap) -> None:
 def options_from_args(args) -> dict:
     return {"target": args.target, "quantize": args.quantize, "fuse": not args.no_fuse,
             "float16": False if args.float32 else None, "block_size": args.block_size,
-            "accuracy_level": args.accuracy_level}
+            "accuracy_level": args.accuracy_level, "tune": not args.no_tune, "tune_budget_s": args.tune_budget_s}
 
 
 if __name__ == "__main__":

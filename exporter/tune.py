@@ -11,7 +11,8 @@
    the best n - 1 drafted nodes by score, so that tree is a cut of the full one: graphs.adaptive);
 3. predicted tokens/s = tokens per step / (verify(T) + draft + host) for every candidate tree;
    Medusa's trees grown greedily from the measured accuracies (the Medusa paper's construction);
-4. the winner (EAGLE: baked as a one-call graph when new and ``--model-dir`` is given) is confirmed
+4. the winner (EAGLE: baked as a one-call graph when new and ``--model-dir`` is given; without it, a
+   tree that is not baked competes with the step-wise draft's measured cost) is confirmed
    with a measured run and written into ``manifest.json`` as the default tree, with its predicted and
    measured tokens/s (``tree["tuned"]``); the manifest is rehashed.
 
@@ -224,6 +225,15 @@ def bake_tree(out_dir: Path, model_dir, cfg: tuple[int, int, int], log=print) ->
 # ------------------------------------------------------------------ the tuner
 
 
+def tuned_for(manifest: Manifest) -> dict:
+    """What the base graph is (dtype, quantization, passes): a tree tuned on one precision is recorded
+    with it, so the runtime can tell when the graphs changed under it (graphs.sessions.warn_if_tree_stale)."""
+    from graphs.sessions import base_precision
+
+    return base_precision(manifest.optimization, manifest.source.get("dtype", "float32"))
+
+
+
 def tune(out_dir, prompts: list[str] | None = None, provider: str = "cpu", threads: int | None = None,
          budget_s: float = 300.0, model_dir=None, max_new_tokens: int = 48, log=print) -> dict:
     """Measure, pick and record the fastest tree for ``out_dir`` on this machine; returns the report."""
@@ -255,7 +265,8 @@ def tune(out_dir, prompts: list[str] | None = None, provider: str = "cpu", threa
              "autoregressive_tokens_per_s": ar["tokens_per_s"],
              "mean_accepted_length": confirmed["mean_accepted_length"],
              "draft_calls_per_step": confirmed["draft_calls_per_step"],
-             "provider": dec.provider, "threads": threads, "seconds": time.perf_counter() - t_start}
+             "provider": dec.provider, "threads": threads, "seconds": time.perf_counter() - t_start,
+             "graphs": tuned_for(dec.manifest)}
     report["confirmed"] = tuned
     if tuned["measured_tokens_per_s"] < ar["tokens_per_s"]:
         log("note: on this machine no tree beats plain decoding; graphs.load(adaptive=True) falls back to "
@@ -318,23 +329,26 @@ def _tune_eagle(dec, ids, verify, new, report, budget_s, model_dir, out_dir, thr
             log(f"      budget spent: stopped before ({k}, {d})", flush=True)
             break
         gains, draft_sw, host_sw = eagle_gains(stepwise, ids, new, k, d)
-        draft = draft_sw * ratio
-        host = host_one if host_one is not None else host_sw
         for n in range(2, gains.size + 1):
+            # a baked tree (or one tune may bake: --model-dir) drafts in one call; any other runs step-wise
+            one_call = (k, d, n) in baked or model_dir is not None
+            draft = draft_sw * ratio if one_call else draft_sw
+            host = (host_one if host_one is not None else host_sw) if one_call else host_sw
             rate = gains[n - 1] / (interp(verify, n) + draft + host)
             cand = {"topk": k, "depth": d, "total_tokens": n, "expected_accepted": float(gains[n - 1]),
-                    "predicted_tokens_per_s": float(rate), "baked": (k, d, n) in baked}
+                    "predicted_tokens_per_s": float(rate), "baked": (k, d, n) in baked,
+                    "drafting": "one_call" if one_call else "stepwise"}
             report["candidates"].append(cand)
-            usable = (k, d, n) in baked or model_dir is not None
-            if usable and (best is None or rate > best["predicted_tokens_per_s"]):
+            if best is None or rate > best["predicted_tokens_per_s"]:
                 best = cand
         log(f"      ({k}, {d}): tokens/step at n = 2..{gains.size}: " + " ".join(f"{g:.2f}" for g in gains[1:]),
             flush=True)
     report["best"] = best
     cfg = (best["topk"], best["depth"], best["total_tokens"])
     log(f"[3/4] best: {cfg}, tau {best['expected_accepted']:.2f}, predicted {best['predicted_tokens_per_s']:.0f} "
-        f"tok/s{'' if best['baked'] else ' (new: baking it)'}", flush=True)
-    if not best["baked"]:
+        f"tok/s, drafted {best['drafting'].replace('_', '-')}"
+        f"{' (new: baking it)' if best['drafting'] == 'one_call' and not best['baked'] else ''}", flush=True)
+    if best["drafting"] == "one_call" and not best["baked"]:
         bake_tree(out_dir, model_dir, cfg, log)
     return cfg
 
@@ -352,7 +366,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=300.0, help="time for the EAGLE (topk, depth) sweep")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens per calibration prompt")
     ap.add_argument("--model-dir", help="EAGLE: the model_dir of the export, to bake a new winning tree "
-                         "(default: only baked trees compete)")
+                         "(default: trees not baked yet compete as step-wise drafts)")
     ap.add_argument("--json", help="write the full report (every candidate) to this file (default: not written)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)

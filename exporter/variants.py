@@ -11,7 +11,8 @@ machine noise hits them alike:
   to one token (the number that decides the best tree);
 - end to end, when the export has a drafter: tokens/s autoregressive and speculative with the
   default tree (``exporter.bench.run_bench``: same prompts, greedy outputs checked equal), and with
-  ``sweep`` the best tree of ``exporter.bench``'s sweep per variant (trees re-tuned per precision).
+  ``sweep`` the best tree of ``exporter.bench``'s sweep per variant; with ``tune`` each variant's
+  default tree is first re-tuned for its own graphs (``exporter.tune``, as ``exporter.optimize`` does).
 
 The scratch copies are deleted afterwards unless ``keep``. JSON-able report; :func:`draw` plots it.
 """
@@ -40,8 +41,10 @@ VARIANTS: dict[str, dict] = {
 TREE_TOKENS = (1, 8, 16, 32)
 
 
-def prepare(out_dir: Path, names: list[str], work: Path, log=print) -> dict[str, Path]:
-    """One optimized copy of ``out_dir`` per variant under ``work``."""
+def prepare(out_dir: Path, names: list[str], work: Path, log=print, tune: bool = False,
+            threads: int | None = None) -> dict[str, Path]:
+    """One optimized copy of ``out_dir`` per variant under ``work``; ``tune``: each copy's default tree
+    re-tuned for its own graphs on this machine (exporter.tune), as ``python -m exporter.optimize`` does."""
     from exporter.optimize import optimize_export
     from graphs.manifest import Manifest
 
@@ -54,6 +57,11 @@ def prepare(out_dir: Path, names: list[str], work: Path, log=print) -> dict[str,
         if name != "raw":
             log(f"variant {name}:", flush=True)
             optimize_export(d, progress=lambda *a, **k: None, time_gain=False, **VARIANTS[name])
+        if tune and Manifest.read(d, verify=False).drafter:
+            from exporter.tune import tune as tune_tree
+
+            r = tune_tree(d, threads=threads, budget_s=60.0, log=lambda *a, **k: None)
+            log(f"variant {name}: tuned tree {r['best'].get('medusa_paths') or r['best']}", flush=True)
         dirs[name] = d
     return dirs
 
@@ -92,44 +100,44 @@ def verify_latency(dirs: dict[str, Path], tree_tokens=TREE_TOKENS, past: int = 2
 
 def end_to_end(dirs: dict[str, Path], max_new_tokens: int, repeats: int, prompts: int, threads: int | None,
                sweep: bool, log=print) -> dict:
-    """tokens/s autoregressive and speculative per variant (exporter.bench's loop)."""
-    import graphs
-    from exporter.bench import _prompts, _tree_size, _tree_sizes, run_bench
+    """tokens/s autoregressive and speculative per variant: :func:`exporter.bench.bench` (its systems
+    ours-ar and ours-spec, each in its own process, same prompts, greedy outputs checked equal) on
+    each variant's export; with ``sweep`` its tree sweep too (the default tree beside hand-picked ones)."""
+    from exporter.bench import BenchOptions, bench
+    from graphs.manifest import Manifest
 
     out = {}
     for name, d in dirs.items():
-        dec = graphs.load(d, provider="cpu", threads=threads)
-        ps = _prompts(dec, prompts)
-        dec.generate(ps[0], max_new_tokens=8)
-        r = run_bench(dec, ps, max_new_tokens, repeats)
-        row = {"autoregressive_tokens_per_s": r["autoregressive"]["tokens_per_s"],
-               "speculative_tokens_per_s": r["speculative"]["tokens_per_s"], "speedup": r["speedup"],
-               "mean_accepted_length": r["speculative"]["mean_accepted_length"],
-               "greedy_mismatches": r["greedy_mismatches"], "tree": dec.default_tree}
+        opts = BenchOptions(prompts=prompts, repeats=repeats, max_new_tokens=max_new_tokens, threads=threads,
+                            peers=(), sweep=sweep)
+        r = bench(d, opts, log=lambda *a, **k: None)
+        by = {e["name"]: e for e in r["systems"]}
+        ar, spec = by.get("ours-ar", {}), by.get("ours-spec", {})
+        if ar.get("status") != "ok" or spec.get("status") != "ok":
+            raise UserError(f"variant {name}: the bench did not run ({ar.get('reason') or spec.get('reason')})")
+        row = {"autoregressive_tokens_per_s": ar["decode_tokens_per_s"],
+               "speculative_tokens_per_s": spec["decode_tokens_per_s"],
+               "speedup": spec["decode_tokens_per_s"] / ar["decode_tokens_per_s"],
+               "mean_accepted_length": spec["mean_accepted_length"],
+               "greedy_mismatches": r["greedy_mismatches"], "tree": Manifest.read(d, verify=False).tree}
         log(f"  {name:6} autoregressive {row['autoregressive_tokens_per_s']:7.1f} tok/s | speculative "
             f"{row['speculative_tokens_per_s']:7.1f} tok/s | {row['speedup']:.2f}x | tau "
             f"{row['mean_accepted_length']:.2f}" + (f" | {r['greedy_mismatches']} MISMATCHES"
                                                    if r["greedy_mismatches"] else ""), flush=True)
-        if sweep:
-            best = None
-            for tr in _tree_sizes(dec):
-                s = run_bench(dec, ps, max_new_tokens, 1, tree=tr)
-                cand = {"tree": tr, "tree_size": _tree_size(tr), "speculative_tokens_per_s":
-                        s["speculative"]["tokens_per_s"], "speedup": s["speedup"],
-                        "mean_accepted_length": s["speculative"]["mean_accepted_length"]}
-                if best is None or cand["speculative_tokens_per_s"] > best["speculative_tokens_per_s"]:
-                    best = cand
+        if sweep and r.get("sweep"):
+            row["sweep"] = r["sweep"]
+            best = max(r["sweep"], key=lambda x: x["speedup"])
             row["best_tree"] = best
-            log(f"  {name:6} best tree size {best['tree_size']}: {best['speculative_tokens_per_s']:.1f} tok/s "
-                f"({best['speedup']:.2f}x)", flush=True)
+            log(f"  {name:6} best tree size {best['tree_size']}{' (the default)' if best.get('default') else ''}: "
+                f"{best['decode_tokens_per_s']:.1f} tok/s ({best['speedup']:.2f}x)", flush=True)
         out[name] = row
-        del dec
     return out
 
 
 def run_variants(out_dir, names=("raw", "fused", "int8", "int4"), *, tree_tokens=TREE_TOKENS, past: int = 256,
                  max_new_tokens: int = 64, repeats: int = 2, prompts: int = 4, threads: int | None = None,
-                 e2e: bool = True, sweep: bool = False, keep: bool = False, log=print) -> dict:
+                 e2e: bool = True, sweep: bool = False, tune: bool = False, keep: bool = False,
+                 log=print) -> dict:
     """Measure ``names`` (keys of :data:`VARIANTS`) of the raw export ``out_dir``; returns the report."""
     out_dir = Path(out_dir).absolute()
     names = list(names)
@@ -139,7 +147,7 @@ def run_variants(out_dir, names=("raw", "fused", "int8", "int4"), *, tree_tokens
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.variants-", dir=out_dir.parent))
     t0 = time.perf_counter()
     try:
-        dirs = prepare(out_dir, names, work, log)
+        dirs = prepare(out_dir, names, work, log, tune=tune and e2e, threads=threads)
         log(f"verify latency (past {past}, tree tokens {', '.join(map(str, tree_tokens))}) ...", flush=True)
         lat = verify_latency(dirs, tree_tokens, past, threads=threads)
         for n, r in lat.items():

@@ -37,7 +37,7 @@ from graphs.manifest import Manifest
 from graphs.params import GenerationParams, Resolved, check_prompt
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
 from graphs.schema import check_session, load_graph
-from graphs.sessions import make_session, resolve_provider, warn_if_other_target
+from graphs.sessions import make_session, resolve_provider, warn_if_other_target, warn_if_tree_stale
 from graphs.trees import (
     DEFAULT_EAGLE_TREE,
     DynamicTreeBuilder,
@@ -72,6 +72,7 @@ class Decoder:
         self.device_id = device_id
         m = self.manifest
         warn_if_other_target(m.optimization, self.provider, str(out_dir))
+        warn_if_tree_stale(m.tree, m.optimization, m.source.get("dtype", "float32"), str(out_dir))
         dtype = m.graphs["base"].output(C.LOGITS).dtype
         if dtype not in ("float32", "float16"):
             raise InputError(

@@ -163,3 +163,35 @@ def warn_if_other_target(optimization: dict, provider: str, out_dir: str = "") -
                   f"expect lower speed; optimize a raw export with --target {provider} for this provider",
                   RuntimeWarning, stacklevel=3)
     return True
+
+
+def base_precision(optimization: dict, source_dtype: str = "float32") -> dict:
+    """The base graph's dtype, weight quantization and optimize passes (from the manifest)."""
+    rec = optimization.get("base") or {}
+    q = rec.get("quantization")
+    return {"dtype": rec.get("dtype", source_dtype), "quantization": f"int{q['bits']}" if q else None,
+            "passes": list(rec.get("passes", []))}
+
+
+def warn_if_tree_stale(tree: dict, optimization: dict, source_dtype: str = "float32", out_dir: str = "") -> bool:
+    """Warn when the default tree was tuned (``python -m exporter.tune``) on other base graphs.
+
+    The best tree depends on how verification cost grows with tree size, and that differs between
+    float32, fused, int8 and int4 graphs (exporter.optimize re-tunes by default); the tree still
+    decodes exactly, only its speed may be off. Returns True when it warned.
+    """
+    import warnings
+
+    tuned = tree.get("tuned") or {}
+    if "graphs" not in tuned:  # hand-picked defaults, or tuned before this record existed
+        return False
+    now = base_precision(optimization, source_dtype)
+    if tuned["graphs"] == now:
+        return False
+    was = tuned["graphs"]
+    warnings.warn(f"{out_dir or 'this export'}: the default tree was tuned on {was['dtype']}"
+                  f"{'/' + was['quantization'] if was.get('quantization') else ''} base graphs, these are "
+                  f"{now['dtype']}{'/' + now['quantization'] if now.get('quantization') else ''}: it decodes "
+                  f"the same but may not be the fastest; re-tune with python -m exporter.tune {out_dir or 'OUT_DIR'}",
+                  RuntimeWarning, stacklevel=3)
+    return True

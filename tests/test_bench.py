@@ -251,3 +251,22 @@ def test_genai_and_optimum_peers(exported, tiny_model_dir, tmp_path):
         assert by["optimum"]["status"] == "ok", by["optimum"]["reason"]
     else:
         assert by["optimum"]["status"] == "skipped" and "--optimum-python" in by["optimum"]["reason"]
+
+
+def test_sweep_runs_the_default_tree_beside_the_hand_picked_ones(exported, tmp_path):
+    """--sweep: the export's default (tuned) tree is measured first under the same protocol, and its
+    speed relative to the best hand-picked tree is reported (issue 8: tuned >= every hand-picked)."""
+    from exporter.tune import tune
+
+    out = tmp_path / "out"
+    shutil.copytree(exported("medusa"), out)
+    tune(out, prompts=["abc"], threads=1, max_new_tokens=8, log=lambda *a, **k: None)
+    rep = bench(out, BenchOptions(**{**TINY, "repeats": 2}, sweep=True), log=lambda *a: None)
+    rows = rep["sweep"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert rows[0]["default"] and rows[0]["tuned"] and rows[0]["tree"] == m["tree"]["medusa_paths"]
+    assert len(rows) > 2 and not any(r.get("default") for r in rows[1:])
+    best = max(r["speedup"] for r in rows[1:])
+    assert rows[0]["vs_best_hand_picked"] == pytest.approx(rows[0]["speedup"] / best)
+    R.draw(rep, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 1000

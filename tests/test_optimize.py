@@ -281,3 +281,6 @@ def test_export_runs_optimize_as_a_step(tiny_model_dir, tmp_path):
     m = Manifest.read(out)
     assert m.optimization["base"]["quantization"]["bits"] == 8
     assert m.optimization["base"]["passes"] == ["attention", "rotary", "norms", "int8"]
+    assert "tune: the default tree for these graphs" in r.stdout  # re-tuned for the int8 graphs by default
+    assert m.tree["tuned"]["graphs"] == {"dtype": "float32", "quantization": "int8",
+                                         "passes": ["attention", "rotary", "norms", "int8"]}

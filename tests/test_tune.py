@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
+import pytest
 from conftest import run_module
 
 import graphs
@@ -50,3 +52,62 @@ def test_tune_eagle_bakes_a_new_winner(exported, tiny_model_dir, tmp_path):
 def test_tune_cli_bad_input(tmp_path):
     r = run_module("exporter.tune", tmp_path / "missing")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "error:" in r.stderr
+
+
+def test_optimize_retunes_the_tree_for_its_graphs(exported, tmp_path):
+    """exporter.optimize re-tunes the default tree on the optimized graphs and records which graphs."""
+    from exporter.optimize import optimize_export
+
+    out = _copy(exported("medusa"), tmp_path)
+    summary = optimize_export(out, quantize="int4", progress=None, time_gain=False, tune=True,
+                              tune_prompts=["abc", "xyz"], tune_threads=1)
+    m = json.loads((out / "manifest.json").read_text())
+    tuned = m["tree"]["tuned"]
+    assert tuned["graphs"]["quantization"] == "int4" and m["optimization"]["base"]["quantization"]["bits"] == 4
+    assert tuned["graphs"]["passes"] == m["optimization"]["base"]["passes"]
+    assert summary["tune"]["tree"] == m["tree"]["medusa_paths"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # tuned on these graphs: no staleness warning
+        dec = graphs.load(out, provider="cpu", threads=1)
+    r = dec.generate([5, 6, 7], max_new_tokens=12)
+    assert r.token_ids == dec.generate([5, 6, 7], max_new_tokens=12, mode="autoregressive").token_ids
+
+
+def test_a_tree_tuned_on_other_graphs_warns(exported, tmp_path):
+    from exporter.optimize import optimize_export
+
+    out = _copy(exported("medusa"), tmp_path)
+    tune(out, prompts=["abc"], threads=1, max_new_tokens=8, log=lambda *a, **k: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphs.load(out, provider="cpu", threads=1)  # tuned on these raw graphs: silent
+    optimize_export(out, quantize="int8", progress=None, time_gain=False, tune=False)
+    with pytest.warns(RuntimeWarning, match=r"tuned on float32 base graphs, these are float32/int8.*exporter.tune"):
+        graphs.load(out, provider="cpu", threads=1)
+
+
+def test_optimize_without_a_drafter_skips_tuning(exported, tmp_path):
+    from exporter.optimize import optimize_export
+
+    out = _copy(exported("base"), tmp_path)
+    lines = []
+    summary = optimize_export(out, progress=lambda *a, **k: lines.append(" ".join(map(str, a))), time_gain=False,
+                              tune=True)
+    assert summary["tune"] == {"skipped": "no drafter"} and any("no drafter" in x for x in lines)
+
+
+def test_bench_variants_end_to_end_with_retuned_trees(exported, tmp_path):
+    """bench --variants raw,int4 --tune: each variant's tree re-tuned for its graphs, run end to end
+    through the bench's own systems (regression: this path imported helpers the bench no longer had)."""
+    from exporter.variants import run_variants
+
+    out = _copy(exported("medusa"), tmp_path)
+    rep = run_variants(out, ["raw", "int4"], tree_tokens=(1, 4), past=8, max_new_tokens=6, repeats=1, prompts=1,
+                       threads=1, tune=True, log=lambda *a, **k: None)
+    assert set(rep["verify_latency"]) == {"raw", "int4"}
+    for name in ("raw", "int4"):
+        row = rep["end_to_end"][name]
+        assert row["greedy_mismatches"] == 0
+        assert row["autoregressive_tokens_per_s"] > 0 and row["speculative_tokens_per_s"] > 0
+        assert row["tree"]["tuned"]["graphs"]["quantization"] == (None if name == "raw" else "int4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the variant copies are cleaned up

@@ -194,6 +194,11 @@ def draw(report: dict, path) -> None:
         ax.legend(fontsize=8)
     if sweep:
         ax = axes[2]
+        for r in sweep:  # the export's default (tuned) tree, run beside the hand-picked ones
+            if r.get("default"):
+                ax.plot([r["tree_size"]], [r["speedup"]], "*", ms=14, color="crimson",
+                        label="default tree" + (" (tuned)" if r.get("tuned") else ""))
+        sweep = [r for r in sweep if not r.get("default")]
         sizes = [r["tree_size"] for r in sweep]
         ax.plot(sizes, [r["speedup"] for r in sweep], "o-", color=colors["ours"], label="ours-spec / ours-ar")
         ax.axhline(1.0, ls="--", color="gray")
