@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument("--reuse", action="store_true", help="reuse the export already under --work (from an earlier "
+                    "run with --keep) instead of building and exporting the model again")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
     args = ap.parse_args(argv)
@@ -71,18 +73,22 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        model = build(args.shape, args.layers)
-        n_layers = model.config.num_hidden_layers
-        params = sum(p.numel() for p in model.parameters())
-        print(f"{args.shape} base, {n_layers} layers, {params / 1e6:.0f}M parameters", flush=True)
-        if args.medusa:
-            from exporter.speculative import convert
+        if args.reuse and (work / "onnx" / "manifest.json").is_file():
+            n_layers, params = _saved_shape(work)
+            print(f"reusing {work / 'onnx'}: {n_layers} layers, {params / 1e6:.0f}M parameters", flush=True)
+        else:
+            model = build(args.shape, args.layers)
+            n_layers = model.config.num_hidden_layers
+            params = sum(p.numel() for p in model.parameters())
+            print(f"{args.shape} base, {n_layers} layers, {params / 1e6:.0f}M parameters", flush=True)
+            if args.medusa:
+                from exporter.speculative import convert
 
-            convert(model, [("medusa", {"medusa_num_heads": 2, "medusa_num_layers": 1})])
-        enable_huggingface_checkpointing()
-        model.save_pretrained(work / "model")
-        del model
-        export(work / "model", work / "onnx", validate=False, overwrite=True)
+                convert(model, [("medusa", {"medusa_num_heads": 2, "medusa_num_layers": 1})])
+            enable_huggingface_checkpointing()
+            model.save_pretrained(work / "model")
+            del model
+            export(work / "model", work / "onnx", validate=False, overwrite=True)
         report = variants.run_variants(work / "onnx", args.variants.split(","), e2e=args.medusa, threads=args.threads,
                                        repeats=1, prompts=3, max_new_tokens=args.max_new_tokens)
         report.update(shape=args.shape, layers=n_layers, parameters=params, seconds_total=time.perf_counter() - t0)
@@ -94,6 +100,23 @@ def main(argv=None) -> int:
     finally:
         if not args.keep and args.work is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _saved_shape(work: Path) -> tuple[int, int]:
+    """Layers and base parameters of the model saved under ``work`` (safetensors headers only)."""
+    from safetensors import safe_open
+
+    n_layers = json.loads((work / "model" / "config.json").read_text())["num_hidden_layers"]
+    params = 0
+    for f in (work / "model").glob("*.safetensors"):
+        with safe_open(str(f), "np") as st:
+            for k in st.keys():
+                if not k.startswith(("medusa", "eagle")):
+                    n = 1
+                    for d in st.get_slice(k).get_shape():
+                        n *= d
+                    params += n
+    return n_layers, params
 
 
 if __name__ == "__main__":
