@@ -6,7 +6,9 @@ computation as one graph, for a ``(topk, depth, total_tokens)`` fixed at export,
 over depth unrolled::
 
     context rows --drafter--> K/V of the rows (out), root output = row root_index
-      layer 1: top-k of the root's logits                    scores = log-probs
+      layer 1: top-k of the root's logits                    scores = log-probs (the head runs on
+                                                             the root row alone: no other row's
+                                                             logits are read)
       repeat depth times:
         frontier = best topk nodes of the newest layer        (all of layer 1 first)
         drafter(frontier: hidden = output at the parent, token, position root + depth,
@@ -18,6 +20,10 @@ over depth unrolled::
 exactly as :class:`~graphs.trees.DynamicTreeBuilder` does it (the tests hold both to a PyTorch
 reference). Every sequence of the batch runs in the same tensors: no per-sequence Python.
 Ties go to the earlier-drafted node: ONNX ``TopK`` puts the lower index first among equals.
+
+The trace is cleaned at export by onnxscript's optimizer (:func:`simplify_traced`: about 55% fewer
+nodes, the same outputs bit for bit on the 19M model), and ``python -m exporter.optimize`` gives it
+the draft graph's passes (fused attention/rotary/norms, int4/int8 weights, float16 for CUDA).
 """
 
 from __future__ import annotations
@@ -184,8 +190,13 @@ def simplify_traced(proto, base_dir: Path):
     expand), though every dim but batch, context rows and cache length is fixed at export. Constant
     folding with shape inference turns the fixed ones into constants, common-subexpression
     elimination merges what each level recomputes (the K/V concatenated inside attention and again
-    for the next level, the same shapes read again). Exact: no float arithmetic changes, only
-    shape computations are folded (the optimize stage runs the same optimizer on every graph).
+    for the next level, the same shapes read again). Exact: only constant subgraphs are evaluated
+    (shape arithmetic; the tracer already folded the weights' constants), so the outputs are the
+    raw trace's, bit for bit on the 19M model (samples/bench_draft_tree.py) and checked in
+    tests/test_optimize_tree.py. The optimize stage runs the same optimizer on every graph.
+    Measured on that model (2 threads): 1693 -> 753 nodes, the draft call 1.05-1.10x faster; with
+    every input dim made static the folding reaches 590 nodes and only 6% more, so the remaining
+    shape plumbing is not where the time goes (the drafter's MatMuls are).
     """
     import onnx_ir as ir
     from onnxscript.optimizer import optimize
