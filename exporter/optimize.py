@@ -2,7 +2,8 @@
 
     python -m exporter.optimize out_dir [--target cpu|cuda] [--quantize none|int8|int4] [--no-fuse]
 
-The stage between export and run (DESIGN.md). Per traced graph (base, draft):
+The stage between export and run (DESIGN.md). Per traced graph (base, draft, and the one-call
+EAGLE tree graphs ``draft_tree.*``, whose unrolled drafter forwards get the draft graph's passes):
 
     fuse       eager attention -> ONNX ``Attention`` (opset 23: any mask, grouped K/V; never
                ``GroupQueryAttention``, which ignores tree masks), rotary -> ONNX ``RotaryEmbedding``,
@@ -41,6 +42,11 @@ from graphs.manifest import MANIFEST, ArtifactError, Manifest
 TARGETS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 QUANTIZE = {"none": 0, "int8": 8, "int4": 4}
 TRACED = ("base", "draft")  # graphs with weights and attention; kv_update graphs have neither
+
+
+def _traced(role: str) -> bool:
+    """A graph traced from the model (weights, attention): base, draft and the one-call tree graphs."""
+    return role in TRACED or role.startswith(C.TREE_ROLE_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -206,13 +212,17 @@ def _rewire(proto, base_dir: Path, attention: bool):
 # ----------------------------------------------------------------------------- the export
 
 
+FLOAT32_OUTPUTS = (C.TOPK_LOGPROBS, C.TREE_SCORES)  # float32 in every export (graphs.contract)
+
+
 def _specs_for(spec: C.GraphSpec, float16: bool) -> C.GraphSpec:
-    """The contract of the rewritten graph: float tensors become float16, except topk_logprobs."""
+    """The contract of the rewritten graph: float tensors become float16, except the draft scores
+    (topk_logprobs, tree_scores), which the contract keeps float32 whatever the cache dtype."""
     if not float16:
         return spec
 
     def conv(t: C.TensorSpec) -> C.TensorSpec:
-        if t.dtype == "float32" and t.name != C.TOPK_LOGPROBS:
+        if t.dtype == "float32" and t.name not in FLOAT32_OUTPUTS:
             return dataclasses.replace(t, dtype="float16")
         return t
 
@@ -259,8 +269,9 @@ def _validate(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts: O
     strict = opts.quantize == "none"
     atol = rtol = 2e-2 if opts.use_float16 else 1e-4  # exporter.compare's float32/float16 CPU tolerances
     report = {"strict": strict, "atol": atol, "rtol": rtol, "graphs": {}}
-    for role in TRACED:
-        if role not in specs:
+    for role in [r for r in specs if _traced(r)]:
+        if role.startswith(C.TREE_ROLE_PREFIX):
+            report["graphs"][role] = _validate_tree(out_dir, tmp, manifest, specs, role, opts, log)
             continue
         try:
             rows = graph_parity(out_dir / manifest.graphs[role].file, tmp / specs[role].file, manifest.graphs[role],
@@ -301,6 +312,41 @@ def _validate(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts: O
             raise UserError(f"optimized {role} graph disagrees with the raw one: {r.output} in case {r.case} max abs "
                             f"error {r.max_abs:.3g} > {r.limit:.3g}; the export is untouched")
     return report
+
+
+def _validate_tree(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, role: str, opts: OptimizeOptions,
+                   log) -> dict:
+    """Raw vs rewritten one-call tree graph. float32: the same tree (tokens, parents, depths, mask
+    identical), scores and drafter K/V within 1e-4. float16: the context rows' drafter K/V within
+    2e-2, the tree reported (float16 log-probs may order near-ties otherwise). Quantized: reported,
+    not gated (another drafter). Drafts never change greedy output: the base verifies them."""
+    from exporter.passes.parity import tree_parity
+
+    strict = opts.quantize == "none" and not opts.use_float16
+    atol = rtol = 2e-2 if opts.use_float16 else 1e-4
+    try:
+        rows = tree_parity(out_dir / manifest.graphs[role].file, tmp / specs[role].file, manifest.graphs[role],
+                           specs[role], atol, rtol, vocab=manifest.source["vocab_size"], strict=strict,
+                           strict_kv=opts.quantize == "none")
+    except Exception as e:  # float16 on the CPU EP: no kernels
+        if not opts.use_float16 or "NOT_IMPLEMENTED" not in str(e):
+            raise UserError(f"optimized {role} graph does not run on ONNX Runtime's CPU EP "
+                            f"({str(e).splitlines()[0][:200]}); the export is untouched") from None
+        log(f"  [{role}] parity    skipped: the CPU EP has no float16 kernels for it (check on the GPU)")
+        return {"skipped": "no float16 CPU kernels; check on the GPU"}
+    bad = [r for r in rows if not r.ok]
+    tokens = min(r.top1 for r in rows if r.output == C.TREE_TOKENS)
+    scores = max(r.max_abs for r in rows if r.output == C.TREE_SCORES)
+    what = ("vs raw" if strict else "vs raw float32 (K/V gated, tree reported)" if opts.quantize == "none"
+            else "vs raw float32 (quantized: reported, not gated)")
+    log(f"  [{role}] parity    {what}: tree tokens equal {tokens:.3f}, max |scores diff| {scores:.2e}, "
+        f"{len(rows)} outputs x cases: {'ok' if not bad else 'FAIL'}")
+    if bad:
+        r = bad[0]
+        raise UserError(f"optimized {role} graph drafts another tree than the raw one: {r.output} in case {r.case} "
+                        f"(max abs error {r.max_abs:.3g} > {r.limit:.3g}); the export is untouched")
+    return {"tree_tokens_equal": tokens, "max_abs_scores": scores, "ok": not bad,
+            "rows": [dataclasses.asdict(r) for r in rows]}
 
 
 def _time_gain(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, log) -> dict:
@@ -371,29 +417,19 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
     t_start = time.perf_counter()
     log(f"optimize {out_dir}: target {options.target}, quantize {options.quantize}, "
         f"fuse {options.fuse}, dtype {'float16' if options.use_float16 else 'float32'}", flush=True)
-    trees = [r for r in manifest.graphs if r.startswith(C.TREE_ROLE_PREFIX)]
-    dropped = set()
-    if trees and options.use_float16:
-        # The one-call EAGLE tree graphs (exporter.eagle_tree) are not converted yet: in a float16 export
-        # they would read float16 drafter K/V with float32 inputs, so they are left out and the runtime
-        # drafts step-wise (graphs.eagle_draft falls back when a tree is not baked). float32 targets keep
-        # them as traced: drafts, not outputs, so a raw drafter beside fused/int4 graphs stays lossless.
-        dropped = {p for r in trees for p in _graph_files(out_dir, manifest.graphs[r])}
-        log(f"  one-call EAGLE tree graphs ({', '.join(trees)}) are not converted to float16: left out, the "
-            f"runtime drafts step-wise", flush=True)
-        manifest.graphs = {r: g for r, g in manifest.graphs.items() if r not in trees}
-        manifest.tree = {**manifest.tree, "eagle_trees": []}
+    # The one-call EAGLE tree graphs (draft_tree.*) get the draft graph's passes: their drafter forwards
+    # are the draft graph's, unrolled (fused, quantized, float16 with the drafter K/V in the cache dtype).
     specs = {role: _specs_for(spec, options.use_float16) for role, spec in manifest.graphs.items()}
-    rewritten = dropped | {p for role in specs for p in _graph_files(out_dir, manifest.graphs[role])
-                           if role in TRACED or options.use_float16}
+    rewritten = {p for role in specs for p in _graph_files(out_dir, manifest.graphs[role])
+                 if _traced(role) or options.use_float16}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.optimize-", dir=out_dir.parent))
     try:
         records = {}
         for role in manifest.graphs:
-            if role in TRACED:
+            if _traced(role):
                 records[role] = optimize_graph(out_dir / manifest.graphs[role].file, tmp / specs[role].file, role,
                                                options, log)
-            elif options.use_float16 and not role.startswith(C.TREE_ROLE_PREFIX):  # K/V updates: the cache dtype
+            elif options.use_float16:  # K/V updates: the cache dtype
                 from exporter.kvgraph import build_kv_update
 
                 build_kv_update(specs[role], tmp / specs[role].file, opset=manifest.opset)

@@ -325,6 +325,10 @@ def export_graph(model, role: str, spec: C.GraphSpec, path: Path, opset: int = O
             dynamo=False,
         )
     proto = onnx.load(str(path), load_external_data=False)  # the graph only: weights stay on disk
+    if role.startswith(C.TREE_ROLE_PREFIX):  # the unrolled tree's shape plumbing folded (exporter.eagle_tree)
+        from exporter.eagle_tree import simplify_traced
+
+        proto = simplify_traced(proto, path.parent)
     apply_contract_shapes(proto, spec)
     onnx.save(proto, str(path))
     return path

@@ -150,3 +150,59 @@ def incremental_consistency(path: Path, spec: C.GraphSpec, vocab: int, past: int
     mask = np.concatenate([np.ones((4, past), bool), np.tril(np.ones((4, 4), bool))], axis=1)
     many, _ = run(ids[past : past + 4], past + np.arange(4), mask, pasts)
     return float(np.abs(many[0].astype(np.float64) - one[0]).max())
+
+
+# ----------------------------------------------------------------------------- one-call EAGLE tree graphs
+
+TREE_CASES = (Case("tree_b2_past5_holes", 2, 4, 5), Case("decode_b1_past6", 1, 1, 6), Case("prefill_b2", 2, 5, 0))
+_TREE_EXACT = (C.TREE_TOKENS, C.TREE_PARENTS, C.TREE_DEPTH, C.TREE_MASK)
+
+
+def tree_feed(spec: C.GraphSpec, case: Case, seed: int = 0, vocab: int = 2) -> dict[str, np.ndarray]:
+    """One feed for a ``draft_tree.*`` graph: ``case.seq`` context rows (a random tree over them, as
+    :func:`random_tree_mask`) after a drafter cache of ``case.past`` rows with holes; sequence b > 0
+    has fewer real rows (its root is an earlier row), as a batch whose sequences accepted different
+    numbers of tokens."""
+    feed = random_feed(spec, case, seed=seed, vocab=vocab)
+    roots = np.array([max(0, case.seq - 1 - 2 * b) for b in range(case.batch)], dtype=np.int64)
+    feed[C.ROOT_INDEX] = roots
+    return feed
+
+
+def tree_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, atol: float, rtol: float,
+                vocab: int, strict: bool = True, threads: int = 1, strict_kv: bool | None = None) -> list[ParityRow]:
+    """Raw vs optimized tree graph on :data:`TREE_CASES`; one row per output and case.
+
+    ``strict``: the tree (tokens, parents, depths, ancestor mask) must be identical and the scores
+    within ``atol + rtol * max|raw|``. Not strict (a quantized or float16 drafter may draft another
+    tree: near-ties resolve differently): reported only (``top1`` holds the fraction of equal tree
+    tokens); a NaN fails a row. ``strict_kv`` (default: ``strict``): the drafter K/V of the context
+    rows, which no tree choice affects, within the tolerance.
+    """
+    strict_kv = strict if strict_kv is None else strict_kv
+    from graphs.sessions import make_session
+
+    a, b = make_session(raw, "cpu", threads), make_session(new, "cpu", threads)
+    rows = []
+    for i, case in enumerate(TREE_CASES):
+        feed = tree_feed(spec, case, seed=i, vocab=vocab)
+        new_feed = {t.name: feed[t.name].astype(t.dtype) if t.dtype.startswith("float") else feed[t.name]
+                    for t in new_spec.inputs}
+        want = dict(zip(spec.output_names, a.run(spec.output_names, feed)))
+        got = dict(zip(new_spec.output_names, b.run(new_spec.output_names, new_feed)))
+        for name in spec.output_names:
+            w, g = want[name], got[name]
+            if name in _TREE_EXACT:
+                same = float((w == g).mean()) if w.size else 1.0
+                rows.append(ParityRow(case.name, name, float(same < 1.0), 0.0,
+                                      same if name == C.TREE_TOKENS else None, same == 1.0 or not strict))
+                continue
+            w64, g64 = w.astype(np.float64), g.astype(np.float64)
+            sane = not np.isnan(g64).any()
+            both = np.isfinite(w64) & np.isfinite(g64)  # -inf scores (log-prob underflow) on both sides agree
+            err = float(np.abs(w64 - g64)[both].max()) if both.any() else 0.0
+            err = err if np.array_equal(np.isfinite(w64), np.isfinite(g64)) else float("inf")
+            limit = _limit(w64[both], atol, rtol) if both.any() else atol
+            gate = strict_kv if name.startswith("present.") else strict
+            rows.append(ParityRow(case.name, name, err, limit, None, sane and (not gate or err <= limit)))
+    return rows

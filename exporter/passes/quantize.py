@@ -27,5 +27,21 @@ def quantize_weights(proto: onnx.ModelProto, bits: int, block_size: int = 32,
                              accuracy_level=accuracy_level)
     q.process()
     out = q.model.model
+    _dedupe_initializers(out)
     after = sum(1 for n in out.graph.node if n.op_type == "MatMul")
     return out, before - after
+
+
+def _dedupe_initializers(proto: onnx.ModelProto) -> None:
+    """One copy of each quantized weight. The quantizer writes ``W_Q4``/``W_scales`` once per MatMul that
+    reads ``W``; a one-call tree graph (exporter.eagle_tree) reads each drafter weight once per unrolled
+    drafter forward, and ONNX wants initializer names unique. Same name, same source weight, same bytes."""
+    seen: set[str] = set()
+    keep = []
+    for t in proto.graph.initializer:
+        if t.name not in seen:
+            seen.add(t.name)
+            keep.append(t)
+    if len(keep) != len(proto.graph.initializer):
+        del proto.graph.initializer[:]
+        proto.graph.initializer.extend(keep)

@@ -32,7 +32,13 @@ def _ints(v: ir.Value | None) -> list[int] | None:
 
 
 def _is_half_last_dim(half: ir.Value, x: ir.Value) -> bool:
-    """``half`` = Unsqueeze(Div(Gather(Shape(x), 3), 2), [0]): hd // 2 of ``x`` at run time."""
+    """``half`` = Unsqueeze(Div(Gather(Shape(x), 3), 2), [0]): hd // 2 of ``x`` at run time, or that
+    computation folded to a constant where ``x``'s head_dim is static (the one-call tree graphs are
+    constant-folded at export, exporter.eagle_tree.simplify_traced)."""
+    folded = _ints(half)
+    if folded is not None:
+        hd = x.shape[-1] if x.shape is not None and len(x.shape) == 4 else None
+        return isinstance(hd, int) and folded == [hd // 2] and hd % 2 == 0
     chain = []
     v = half
     for op in ("Unsqueeze", "Div", "Gather", "Shape"):

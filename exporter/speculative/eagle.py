@@ -119,6 +119,11 @@ class EagleModule(nn.Module):
         embeddings, rotary embedding and (EAGLE-1) lm_head.
         Returns (out (B, S, H), logits (B, S, V_draft), new K/V per layer).
         """
+        out, new = self.hidden_step(base, hidden, input_ids, position_ids, attention_mask, past, aux_hidden)
+        return out, self.logits(base, out), new
+
+    def hidden_step(self, base, hidden, input_ids, position_ids, attention_mask, past=None, aux_hidden=None):
+        """:meth:`step` without the head: (out (B, S, H), new K/V per layer)."""
         inner = base.model
         emb = inner.embed_tokens(input_ids)  # (B, S, H)
         cache = NewRowsCache(past)
@@ -128,13 +133,16 @@ class EagleModule(nn.Module):
             pos_emb = inner.rotary_emb(h, position_ids)
             h = self.layers[0](emb, h, bias, position_ids, cache, pos_emb)
             out = run_layers(self.layers[1:], h, pos_emb, bias, cache, position_ids)
-            logits = self.lm_head(self.norm(out))
         else:
             h = self.fc(torch.cat([emb, hidden], dim=-1))  # (B, S, H)
             pos_emb = inner.rotary_emb(h, position_ids)
             out = run_layers(self.layers, h, pos_emb, bias, cache, position_ids)
-            logits = base.lm_head(out)
-        return out, logits, cache.new_rows(len(self.layers))
+        return out, cache.new_rows(len(self.layers))
+
+    def logits(self, base, out: torch.Tensor) -> torch.Tensor:
+        """Draft logits (..., V_draft) of drafter outputs ``out`` (..., H): a per-row head, so a caller
+        that needs only some rows' logits (exporter.eagle_tree) may select the rows first."""
+        return self.lm_head(self.norm(out)) if self.eagle3 else base.lm_head(out)
 
 
 def _soft_ce(logits, target_probs):
