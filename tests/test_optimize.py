@@ -124,6 +124,12 @@ def test_quantized_speculative_equals_autoregressive(optimized, kind, quantize):
         assert rec["quantization"]["bits"] == {"int4": 4, "int8": 8}[quantize]
         assert _ops(out / m.graphs[role].file).get("MatMulNBits") == rec["quantization"]["matmuls"] > 0
         assert "MatMul" not in _ops(out / m.graphs[role].file)  # lm_head included
+        # the base emits: float32 compute (row-consistent); drafts are only proposals: int8 compute
+        assert rec["quantization"]["accuracy_level"] == (0 if role == "base" else 4)
+        nodes = onnx.load(str(out / m.graphs[role].file), load_external_data=False).graph.node
+        levels = {next((a.i for a in n.attribute if a.name == "accuracy_level"), 0)  # absent: 0
+                  for n in nodes if n.op_type == "MatMulNBits"}
+        assert levels == {rec["quantization"]["accuracy_level"]}
     assert "kv_update" not in m.optimization  # no weights: left as exported
     dec = graphs.load(out, provider="cpu", threads=1)
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8], [11]]
