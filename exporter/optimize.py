@@ -562,7 +562,8 @@ def add_arguments(ap) -> None:
 def options_from_args(args) -> dict:
     return {"target": args.target, "quantize": args.quantize, "fuse": not args.no_fuse,
             "float16": False if args.float32 else None, "block_size": args.block_size,
-            "accuracy_level": args.accuracy_level, "draft_accuracy_level": args.draft_accuracy_level, "tune": not args.no_tune, "tune_budget_s": args.tune_budget_s}
+            "accuracy_level": args.accuracy_level, "draft_accuracy_level": args.draft_accuracy_level,
+            "tune": not args.no_tune, "tune_budget_s": args.tune_budget_s}
 
 
 if __name__ == "__main__":
