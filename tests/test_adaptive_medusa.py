@@ -215,3 +215,40 @@ def test_forced_switching_keeps_the_base_distribution(setup, monkeypatch, kind, 
     stat, dof, p = chi_square(counts, exact_joint(base))
     print(f"\n{kind} adaptive (forced): chi2 {stat:.1f} dof {dof} p {p:.3g} tau {np.mean(taus):.2f}")
     assert p > P_MIN
+
+
+def test_plain_decisions_are_reused_until_a_recheck_or_the_probe(monkeypatch):
+    """While plain, plan() decides again only every recheck_every steps (a plain step's host work
+    stays near autoregressive's), and still probes on time."""
+    p = AdaptivePolicy(1, 4, AdaptiveConfig(probe_every=4, max_probe_every=64, recheck_every=3))
+    p.verify[:] = 1.0
+    p.draft, p.host_plain, p.host_spec = 1.0, 0.0, 0.0
+    p.gain[0] = [1.0, 1.1, 1.1, 1.1]
+    p.wait = 10
+    calls = []
+    real = p.rates
+    monkeypatch.setattr(p, "rates", lambda b: calls.append(b) or real(b))
+    live = np.array([True])
+    sizes = []
+    for _ in range(12):
+        n = int(p.plan(live)[0])
+        sizes.append(n)
+        if n == 1:
+            p.observe(None, [[0]], 1, 1.0, None, live)
+        else:
+            break
+    assert sizes == [1] * 10 + [4]  # the probe comes after `wait` plain steps
+    assert len(calls) == 5  # decided at plain_run 0, 3, 6, 9 and 10 (the probe)
+
+
+def test_a_lucky_probe_halves_the_wait_instead_of_resetting_it():
+    p = AdaptivePolicy(1, 3, AdaptiveConfig(probe_every=2, max_probe_every=64))
+    p.verify[:] = 1.0
+    p.draft, p.host_plain, p.host_spec = 0.2, 0.0, 0.0
+    p.gain[0] = [1.0, 1.0, 1.0]
+    p.wait, p.plain_run = 32, 32
+    chain = Tree.from_parents([-1, 0, 1], score=np.array([0.0, -1, -2]))
+    live = np.array([True])
+    p.observe([chain], [[0, 1, 2]], 3, 1.0, 0.2, live)  # the probe accepted everything
+    assert p.plan_is_speculative(0)
+    assert p.wait == 16
