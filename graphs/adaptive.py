@@ -25,8 +25,10 @@ every sequence's starting gain. Without it each short run would pay the policy's
 
 If every sequence picks 1 the step skips the drafter; the drafter's context rows wait for the next
 drafted step. While speculation is off, a full tree is tried again every ``probe_every`` plain steps
-(doubling, up to ``max_probe_every``, while it keeps losing; reset when it wins), so a sequence
-whose text becomes predictable again gets its trees back. Trees only change *which* candidates are
+(doubling, up to ``max_probe_every``, while it keeps losing; halved when a probe wins, reset while
+drafted steps keep paying), so a sequence whose text becomes predictable again gets its trees back.
+Between probes an all-plain decision is reused for ``recheck_every`` steps (only the costs drift
+then), so a plain step costs the host about what an autoregressive one does. Trees only change *which* candidates are
 verified, never the acceptance rule: greedy output stays the base's greedy output, and lossless
 sampling stays lossless (the tree is chosen before the step's random draws).
 """
