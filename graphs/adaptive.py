@@ -147,6 +147,7 @@ class AdaptivePolicy:
         self._tick = None  # perf_counter at the last plan
         self._plain_until = 0  # plan() answers "all plain" without deciding while plain_run is below
         self._ones = np.ones(batch, dtype=np.int64)
+        self._cuts: dict = {}  # static trees: {"tree": the tree, n: (kept nodes, cut tree)}
         self._graph_s = 0.0  # graph seconds (verify + draft) of the step since then
         self._last_plain = True
 
@@ -269,11 +270,17 @@ class AdaptivePolicy:
         r = self.rates(b)
         return bool(np.nanmax(r[1:], initial=-np.inf) >= self.cfg.margin * r[0])
 
-    def shrink(self, trees: list[Tree], cand: np.ndarray, sizes: np.ndarray):
-        """Cut each sequence's tree to its planned size; returns (trees, cand (B, T'), layout)."""
-        keeps = [cut_tree(tr, int(n)) for tr, n in zip(trees, sizes)]
+    def shrink(self, trees: list[Tree], cand: np.ndarray, sizes: np.ndarray, static: bool = False):
+        """Cut each sequence's tree to its planned size; returns (trees, cand (B, T'), layout).
+
+        ``static``: the trees are one static tree (Medusa), whose cuts are computed once per size."""
+        if static:
+            cuts = [self._static_cut(trees[0], int(n)) for n in sizes]
+            keeps, new_trees = [k for k, _ in cuts], [t for _, t in cuts]
+        else:
+            keeps = [cut_tree(tr, int(n)) for tr, n in zip(trees, sizes)]
+            new_trees = [sub_tree(tr, k) for tr, k in zip(trees, keeps)]
         width = max(k.size for k in keeps)
-        new_trees = [sub_tree(tr, k) for tr, k in zip(trees, keeps)]
         bsz = len(trees)
         out = np.zeros((bsz, width), dtype=cand.dtype)
         depth = np.zeros((bsz, width), dtype=np.int64)
@@ -283,3 +290,11 @@ class AdaptivePolicy:
             depth[b, : k.size] = tr.depth
             mask[b, : k.size, : k.size] = tr.mask
         return new_trees, out, (depth, mask)
+
+    def _static_cut(self, tree: Tree, n: int) -> tuple[np.ndarray, Tree]:
+        if self._cuts.get("tree") is not tree:
+            self._cuts = {"tree": tree}
+        if n not in self._cuts:
+            keep = cut_tree(tree, n)
+            self._cuts[n] = (keep, sub_tree(tree, keep))
+        return self._cuts[n]

@@ -457,7 +457,7 @@ class Decoder:
                 cand = medusa_candidates_batch(tree, root, ids[:, 0])  # (B, T)
                 step_trees, step_layout = trees, layout
                 if sizes is not None and sizes.min() < tree.size:
-                    step_trees, cand, step_layout = policy.shrink(trees, cand, sizes)
+                    step_trees, cand, step_layout = policy.shrink(trees, cand, sizes, static=True)
             t_verify = stats.time_verify
             out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, step_trees, cand, pos,
                                                            step_layout)
