@@ -137,6 +137,8 @@ class AdaptivePolicy:
         self.cfg = cfg or AdaptiveConfig()
         self.t = int(tree_size)
         self.gain = np.full((batch, self.t), np.nan)  # (B, T) EMA; NaN = never observed
+        self.long_gain = np.full(self.t, np.nan)  # (T,) slow mean over every observation (carried)
+        self.long_n = 0  # observations in it
         self.verify = np.full(self.t + 1, np.nan)  # seconds per base forward over n positions, [n]
         self.draft = np.nan  # seconds of drafting per drafted step
         self.host_plain = np.nan  # host seconds per plain step, around the graph calls
@@ -152,18 +154,22 @@ class AdaptivePolicy:
         self._last_plain = True
 
     def carry(self, prior: AdaptivePolicy | None) -> AdaptivePolicy:
-        """Start from what ``prior`` (a run of the same decoder, tree and sampling) measured: its
-        costs, probe wait, and the mean gain of its sequences as every sequence's gain. Returns self."""
+        """Start from what ``prior`` (a run of the same decoder, tree and sampling) measured. Returns self.
+
+        Costs carry as they are. Gains do not carry their last state (where the last text happened
+        to be hard): every sequence starts from the setting's long-run mean gain. If that says
+        speculation pays, the run speculates from its first step; if not (a high temperature, a
+        drafter that does not fit the text), it starts plain and keeps the prior's probe wait, so
+        short runs do not pay the probes of a cold start (after 4, 8, 16, ... plain steps) again."""
         if prior is None or prior.t != self.t:
             return self
         self.verify = prior.verify.copy()
         self.draft, self.host_plain, self.host_spec = prior.draft, prior.host_plain, prior.host_spec
-        seen = ~np.isnan(prior.gain).all(axis=0)  # (T,) sizes some sequence observed
-        mean = np.full(self.t, np.nan)
-        mean[seen] = np.nanmean(prior.gain[:, seen], axis=0)
-        self.gain[:] = mean[None]
-        self.wait = int(np.clip(prior.wait, self.cfg.probe_every, self.cfg.max_probe_every))
-        self.plain_run = prior.plain_run
+        self.long_gain, self.long_n = prior.long_gain.copy(), prior.long_n
+        self.gain[:] = self.long_gain[None]
+        if not np.isnan(self.verify[1]) and not self.plan_is_speculative(0):
+            self.wait = int(np.clip(prior.wait, self.cfg.probe_every, self.cfg.max_probe_every))
+            self.plain_run = prior.plain_run
         return self
 
     # ---------------------------------------------------------------- estimates
@@ -240,8 +246,12 @@ class AdaptivePolicy:
                 continue
             g = counterfactual_gain(tree, accepted[b])
             n = tree.size
-            for i in range(n):
-                self.gain[b, i] = self._ema(self.gain[b, i], g[i])
+            row = self.gain[b, :n]
+            self.gain[b, :n] = np.where(np.isnan(row), g, (1 - self.cfg.ema) * row + self.cfg.ema * g)
+            # the long-run mean: a plain mean of the first 50 observations, then a slow average
+            self.long_n += 1
+            w, old = max(1.0 / self.long_n, 0.02), self.long_gain[:n]
+            self.long_gain[:n] = np.where(np.isnan(old), g, (1 - w) * old + w * g)
         if probed:  # did the probe win? then probe more often again; else wait longer next time
             wins = any(self.plan_is_speculative(b) for b in range(len(trees)) if live[b])
             # a win halves the wait (one lucky probe at a high temperature must not bring back probes

@@ -94,16 +94,31 @@ def test_host_time_is_measured_between_plans():
     assert p.host_spec >= 0
 
 
-def test_carry_seeds_costs_waits_and_the_mean_gain():
-    a = AdaptivePolicy(2, 3, AdaptiveConfig(probe_every=2, max_probe_every=16))
+def test_carry_seeds_costs_and_the_long_run_gain():
+    cfg = AdaptiveConfig(probe_every=2, max_probe_every=16)
+    a = AdaptivePolicy(2, 3, cfg)
     a.verify[1], a.verify[3], a.draft, a.host_plain, a.host_spec = 1.0, 2.0, 0.5, 0.1, 0.2
-    a.gain[0], a.gain[1] = [1, 2, 3], [1, 1, np.nan]
+    a.gain[0], a.gain[1] = [1, 1, 1], [1, 1, np.nan]  # the last text was hard...
+    a.long_gain, a.long_n = np.array([1.0, 3.0, 4.0]), 40  # ...but speculation pays in the long run
     a.wait, a.plain_run = 8, 3
-    b = AdaptivePolicy(3, 3, AdaptiveConfig(probe_every=2, max_probe_every=16)).carry(a)
+    b = AdaptivePolicy(3, 3, cfg).carry(a)
     assert b.verify[1] == 1.0 and b.verify[3] == 2.0 and (b.draft, b.host_plain, b.host_spec) == (0.5, 0.1, 0.2)
-    assert b.gain.shape == (3, 3) and np.allclose(b.gain, [[1, 1.5, 3]] * 3)
-    assert (b.wait, b.plain_run) == (8, 3)
+    assert b.gain.shape == (3, 3) and np.allclose(b.gain, [[1, 3, 4]] * 3) and b.long_n == 40
+    assert (b.wait, b.plain_run) == (2, 0)  # speculates from the start, probes soon if that changes
+    assert int(b.plan(np.ones(3, dtype=bool)).min()) > 1
+    a.long_gain = np.array([1.0, 1.05, 1.1])  # speculation does not pay here: start plain, keep the wait
+    c = AdaptivePolicy(1, 3, cfg).carry(a)
+    assert (c.wait, c.plain_run) == (8, 3) and int(c.plan(np.ones(1, dtype=bool))[0]) == 1
     assert np.isnan(AdaptivePolicy(1, 4).carry(a).gain).all()  # another tree size: nothing carried
+
+
+def test_long_run_gain_is_the_mean_of_every_observation():
+    p = AdaptivePolicy(1, 3)
+    chain = Tree.from_parents([-1, 0, 1], score=np.array([0.0, -1, -2]))
+    live = np.array([True])
+    for acc in ([0], [0, 1, 2], [0, 1]):
+        p.observe([chain], [acc], 3, 1.0, 0.1, live)
+    assert np.allclose(p.long_gain, [1, (1 + 2 + 2) / 3, (1 + 3 + 2) / 3]) and p.long_n == 3
 
 
 def test_plain_inputs():
