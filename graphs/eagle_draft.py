@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from graphs import contract as C
-from graphs.adaptive import AdaptivePolicy
+from graphs.adaptive import plain_inputs
 from graphs.errors import InputError
 from graphs.trees import Tree
 
@@ -113,20 +113,19 @@ def one_call_steps(dec, seqs, sampler, stats, role: str, adaptive: bool = False)
     spec, session = dec.manifest.graphs[role], dec.tree_sessions[role]
     kv, out, last, rows, dkv, feat_name, root = dec._eagle_start(seqs, sampler, stats)
     bsz, d = len(seqs), dec.drafter
-    policy = AdaptivePolicy(bsz, spec.output(C.TREE_TOKENS).dims[1], dec.adaptive_config) if adaptive else None
-    dec.last_policy = policy
+    size = spec.output(C.TREE_TOKENS).dims[1]
+    policy = dec._new_policy(bsz, size, sampler, ("eagle_one_call", role, size)) if adaptive else None
     yield [(b, [int(root[b])]) for b in rows]
     pend = PendingRows([out[feat_name][b, : last[b] + 1] for b in rows],
                        [np.append(seqs[b].prompt[1:], root[b]) for b in rows], dec.dtype, dec.pad)
     pos = last + 1  # the root's position
-    plain_trees = [Tree.from_parents([-1])] * bsz
-    plain_layout = (np.zeros((bsz, 1), dtype=np.int64), np.ones((bsz, 1, 1), dtype=bool))
     while True:
         live = np.array([not s.done for s in seqs])
         sizes = policy.plan(live) if policy is not None else None
         t_draft = None
         if sizes is not None and sizes.max() == 1:  # a plain step: the drafter's rows wait
-            trees, cand, layout = plain_trees, root[:, None].copy(), plain_layout
+            trees, cand, layout = plain_inputs(root)
+            stats.plain_steps += 1
         else:
             feats, ids, ppos, causal, counts = pend.arrays()
             past = dkv.past_mask()

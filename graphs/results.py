@@ -16,6 +16,7 @@ class Stats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     steps: int = 0  # base forwards after prefill
+    plain_steps: int = 0  # of them, forwards that verified no drafted token (autoregressive; adaptive fallback)
     accepted: list[int] = field(default_factory=list)  # tokens emitted per (step, live sequence)
     time_prefill: float = 0.0
     time_draft: float = 0.0
@@ -26,6 +27,11 @@ class Stats:
     @property
     def mean_accepted_length(self) -> float:
         return float(np.mean(self.accepted)) if self.accepted else 0.0
+
+    @property
+    def speculative_steps(self) -> int:
+        """Base forwards that verified a drafted tree."""
+        return self.steps - self.plain_steps
 
     @property
     def time_host(self) -> float:
@@ -41,6 +47,8 @@ class Stats:
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "steps": self.steps,
+            "plain_steps": self.plain_steps,
+            "speculative_steps": self.speculative_steps,
             "mean_accepted_length": self.mean_accepted_length,
             "accepted_histogram": np.bincount(self.accepted).tolist() if self.accepted else [],
             "tokens_per_s": self.tokens_per_s,

@@ -20,6 +20,7 @@ the base token for token; ``mean_accepted_length`` (tau) is tokens per base forw
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,8 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from graphs import contract as C
+from graphs.adaptive import AdaptivePolicy, plain_inputs, static_scores
 from graphs.device import DeviceKVCache, run_bound
-from graphs.eagle_draft import DRAFT_MODES, baked_trees, choose_graph, one_call_steps
+from graphs.eagle_draft import DRAFT_MODES, PendingRows, baked_trees, choose_graph, one_call_steps
 from graphs.errors import InputError, as_input_error
 from graphs.kv import KVCache
 from graphs.limits import check_eagle_tree, check_medusa_tree
@@ -109,8 +111,9 @@ class Decoder:
         self.tree_sessions = {} if eagle_draft == "stepwise" else {r: session(r) for r in baked_trees(m).values()}
         self.adaptive = bool(adaptive)
         self._adaptive_now = self.adaptive  # for the current run (off for seeded sampling)
-        self.last_policy = None  # graphs.adaptive.AdaptivePolicy of the last one-call EAGLE run
+        self.last_policy = None  # graphs.adaptive.AdaptivePolicy of the last speculative run
         self.adaptive_config = None  # a graphs.adaptive.AdaptiveConfig, None: its defaults
+        self._policies: dict[tuple, AdaptivePolicy] = {}  # last policy per (loop, tree, batch, sampling)
         self._capacity = 256  # K/V columns to preallocate on the device, set per run
         self.drafter = m.drafter
         self.kind = m.drafter["kind"] if m.drafter else None
@@ -365,6 +368,7 @@ class Decoder:
             nxt = np.array([sampler.token(out[C.LOGITS][b, 0]) for b in rows])
             pos = pos + 1
             stats.steps += 1
+            stats.plain_steps += 1
             live = [b for b in rows if not seqs[b].done]
             stats.accepted += [1] * len(live)
             yield [(b, [int(nxt[b])]) for b in live]
@@ -434,15 +438,33 @@ class Decoder:
         pos = last + 1  # the root's position
         yield [(b, [int(root[b])]) for b in rows]
         topk = np.array([int(tree.rank.max()) + 1], dtype=np.int64)
-        trees = [tree] * bsz
+        # the adaptive policy ranks a static tree's nodes by their assumed acceptance (best-n cuts)
+        ranked = dataclasses.replace(tree, score=static_scores(tree))
+        policy = self._new_policy(bsz, tree.size, sampler, ("medusa", tuple(tree.parents), tuple(tree.rank)))
+        trees = [ranked] * bsz
         layout = _tree_layout(trees, tree.size)  # static: built once
         while True:
-            t0 = time.perf_counter()
-            (ids,) = self.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden[:, None], C.TOPK_IN: topk})
-            stats.time_draft += time.perf_counter() - t0
-            stats.draft_calls += 1
-            cand = medusa_candidates_batch(tree, root, ids[:, 0])  # (B, T)
-            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout)
+            sizes = policy.plan(np.array([not s.done for s in seqs])) if policy is not None else None
+            t_draft = None
+            if sizes is not None and sizes.max() == 1:  # a plain step: the heads are not run at all
+                step_trees, cand, step_layout = plain_inputs(root)
+                stats.plain_steps += 1
+            else:
+                t0 = time.perf_counter()
+                (ids,) = self.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden[:, None], C.TOPK_IN: topk})
+                t_draft = time.perf_counter() - t0
+                stats.time_draft += t_draft
+                stats.draft_calls += 1
+                cand = medusa_candidates_batch(tree, root, ids[:, 0])  # (B, T)
+                step_trees, step_layout = trees, layout
+                if sizes is not None and sizes.min() < tree.size:
+                    step_trees, cand, step_layout = policy.shrink(trees, cand, sizes, static=True)
+            t_verify = stats.time_verify
+            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, step_trees, cand, pos,
+                                                           step_layout)
+            if policy is not None:
+                policy.observe(None if t_draft is None else step_trees, accepted, cand.shape[1],
+                               stats.time_verify - t_verify, t_draft, np.array([not s.done for s in seqs]))
             emitted = []
             for b in rows:
                 a = accepted[b]
@@ -451,6 +473,20 @@ class Decoder:
                 pos[b] += len(a)
                 root[b] = bonus[b]
             yield emitted
+
+    def _new_policy(self, bsz: int, tree_size: int, sampler, key: tuple):
+        """The run's :class:`AdaptivePolicy` (None when adaptive is off for it), seeded with what the
+        last run of the same loop, tree, batch size and sampling settings measured."""
+        if not self._adaptive_now:
+            self.last_policy = None
+            return None
+        key = (*key, bsz, sampler.temperature, sampler.top_p, sampler.top_k, sampler.acceptance,
+               self.adaptive_config)
+        policy = AdaptivePolicy(bsz, tree_size, self.adaptive_config).carry(self._policies.get(key))
+        if len(self._policies) >= 64:  # a memory, not a log: forget the oldest setting
+            self._policies.pop(next(iter(self._policies)))
+        self._policies[key] = self.last_policy = policy
+        return policy
 
     # EAGLE ------------------------------------------------------------------------------
 
@@ -508,66 +544,84 @@ class Decoder:
 
     def _eagle(self, seqs, sampler, stats, cfg: dict):
         kv, out, last, rows, dkv, feat_name, root = self._eagle_start(seqs, sampler, stats)
-        bsz, d = len(seqs), self.drafter
+        bsz = len(seqs)
         yield [(b, [int(root[b])]) for b in rows]
         # drafter context: (feature of position t, token t+1) for every position not yet drafted from
-        pend_feats = [out[feat_name][b, : last[b] + 1] for b in rows]
-        pend_ids = [np.append(seqs[b].prompt[1:], root[b]) for b in rows]
-        pend_pos = np.zeros(bsz, dtype=np.int64)
+        pend = PendingRows([out[feat_name][b, : last[b] + 1] for b in rows],
+                           [np.append(seqs[b].prompt[1:], root[b]) for b in rows], self.dtype, self.pad)
         pos = last + 1  # the root's position
         topk = np.array([cfg["topk"]], dtype=np.int64)
+        policy = self._new_policy(bsz, cfg["total_tokens"], sampler,
+                                  ("eagle_stepwise", cfg["topk"], cfg["depth"], cfg["total_tokens"]))
         while True:
-            # 1) context: feed the pending rows, commit them to the drafter cache
-            counts = np.array([len(x) for x in pend_ids])
-            a = int(counts.max())
-            feats = np.zeros((bsz, a, pend_feats[0].shape[-1]), self.dtype)
-            ids = np.full((bsz, a), self.pad, dtype=np.int64)
-            for b in rows:
-                feats[b, : counts[b]], ids[b, : counts[b]] = pend_feats[b], pend_ids[b]
-            causal = np.tril(np.ones((a, a), dtype=bool))[None] & (np.arange(a)[None, None] < counts[:, None, None])
-            causal |= np.eye(a, dtype=bool)[None]
-            dout = self._run_draft(dkv, feats, ids, pend_pos[:, None] + np.arange(a), causal, topk, stats,
-                                   is_aux=bool(d.get("eagle3")))
-            dkv.append(self._presents(dout, d["num_layers"]), np.broadcast_to(np.arange(a), (bsz, a)), counts)
-            # 2) grow one EAGLE-2 tree per sequence from the root's drafter output
-            builders = [DynamicTreeBuilder(cfg["topk"], cfg["depth"], cfg["total_tokens"]) for _ in rows]
-            frontiers = [builders[b].start(dout[C.TOPK_IDS][b, counts[b] - 1],
-                                           dout[C.TOPK_LOGPROBS][b, counts[b] - 1]) for b in rows]
-            prev = dout[C.HIDDEN_OUT][rows, counts - 1][:, None]  # (B, 1, H) output at the root
-            w0 = dkv.w
-            while frontiers[0] is not None:
-                k, n_prev = frontiers[0].size, dkv.w - w0
-                hid = np.stack([prev[b, f.parent_row] for b, f in enumerate(frontiers)])  # (B, k, H)
-                tok = np.stack([f.tokens for f in frontiers])
-                fpos = pos[:, None] + np.stack([f.depth for f in frontiers]) - 1  # parent's position
-                attend = np.stack([f.attend for f in frontiers])  # (B, k, n_prev + k) over fed nodes
-                cap = dkv.capacity
-                mask = np.empty((bsz, 1, k, cap + k), dtype=bool)  # context, fed tree rows, this level
-                mask[:, 0, :, :cap] = dkv.past_mask()[:, None, :]
-                mask[:, 0, :, w0 : w0 + n_prev] = attend[:, :, :n_prev]
-                mask[:, 0, :, cap:] = attend[:, :, n_prev:]
-                dout = self._run_draft(dkv, hid, tok, fpos, None, topk, stats, mask=mask)
-                dkv.append(self._presents(dout, d["num_layers"]), None, np.zeros(bsz, dtype=np.int64), width=k)
-                prev = dout[C.HIDDEN_OUT]
-                frontiers = [builders[b].expand(dout[C.TOPK_IDS][b], dout[C.TOPK_LOGPROBS][b]) for b in rows]
-            dkv.truncate(w0)
-            built = [builders[b].finish(root_token=int(root[b])) for b in rows]
-            trees = [t for t, _ in built]
-            t_max = max(t.size for t in trees)
-            cand = np.stack([_pad(tok, t_max, self.pad) for _, tok in built])  # (B, T)
+            sizes = policy.plan(np.array([not s.done for s in seqs])) if policy is not None else None
+            t_draft = None
+            if sizes is not None and sizes.max() == 1:  # a plain step: no drafter call, its rows wait
+                trees, cand, layout = plain_inputs(root)
+                stats.plain_steps += 1
+            else:
+                t_draft = stats.time_draft
+                trees, cand = self._eagle_draft(dkv, pend, root, pos, topk, cfg, stats)
+                t_draft = stats.time_draft - t_draft
+                layout = None
+                if sizes is not None and sizes.min() < cand.shape[1]:
+                    trees, cand, layout = policy.shrink(trees, cand, sizes)
             # 3) verify and accept
-            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos)
+            t_verify = stats.time_verify
+            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout)
+            if policy is not None:
+                policy.observe(None if t_draft is None else trees, accepted, cand.shape[1],
+                               stats.time_verify - t_verify, t_draft, np.array([not s.done for s in seqs]))
             emitted = []
             for b in rows:
                 acc = accepted[b]
                 emitted.append((b, [int(x) for x in cand[b, acc[1:]]] + [int(bonus[b])]))
                 keep = 1 if seqs[b].done else len(acc)  # finished: one row keeps the batch rectangular
-                pend_feats[b] = out[feat_name][b, acc[:keep]]
-                pend_ids[b] = np.append(cand[b, acc[1:]], bonus[b])[:keep]
-                pend_pos[b] = pos[b]
+                feats_b, ids_b = out[feat_name][b, acc[:keep]], np.append(cand[b, acc[1:]], bonus[b])[:keep]
+                if t_draft is None:  # no drafter call: these rows join the ones still waiting
+                    pend.extend(b, feats_b, ids_b)
+                else:
+                    pend.set(b, feats_b, ids_b, pos[b])
                 pos[b] += len(acc)
                 root[b] = bonus[b]
             yield emitted
+
+    def _eagle_draft(self, dkv, pend: PendingRows, root, pos, topk, cfg: dict, stats):
+        """Step-wise EAGLE drafting: the pending context rows into the drafter cache, then one
+        EAGLE-2 tree per sequence grown with ``depth`` more drafter calls. Returns (trees, cand (B, T))."""
+        bsz, d = len(root), self.drafter
+        rows = np.arange(bsz)
+        # 1) context: feed the pending rows, commit them to the drafter cache
+        feats, ids, ppos, causal, counts = pend.arrays()
+        a = ids.shape[1]
+        dout = self._run_draft(dkv, feats, ids, ppos, causal, topk, stats, is_aux=bool(d.get("eagle3")))
+        dkv.append(self._presents(dout, d["num_layers"]), np.broadcast_to(np.arange(a), (bsz, a)), counts)
+        # 2) grow one EAGLE-2 tree per sequence from the root's drafter output
+        builders = [DynamicTreeBuilder(cfg["topk"], cfg["depth"], cfg["total_tokens"]) for _ in rows]
+        frontiers = [builders[b].start(dout[C.TOPK_IDS][b, counts[b] - 1],
+                                       dout[C.TOPK_LOGPROBS][b, counts[b] - 1]) for b in rows]
+        prev = dout[C.HIDDEN_OUT][rows, counts - 1][:, None]  # (B, 1, H) output at the root
+        w0 = dkv.w
+        while frontiers[0] is not None:
+            k, n_prev = frontiers[0].size, dkv.w - w0
+            hid = np.stack([prev[b, f.parent_row] for b, f in enumerate(frontiers)])  # (B, k, H)
+            tok = np.stack([f.tokens for f in frontiers])
+            fpos = pos[:, None] + np.stack([f.depth for f in frontiers]) - 1  # parent's position
+            attend = np.stack([f.attend for f in frontiers])  # (B, k, n_prev + k) over fed nodes
+            cap = dkv.capacity
+            mask = np.empty((bsz, 1, k, cap + k), dtype=bool)  # context, fed tree rows, this level
+            mask[:, 0, :, :cap] = dkv.past_mask()[:, None, :]
+            mask[:, 0, :, w0 : w0 + n_prev] = attend[:, :, :n_prev]
+            mask[:, 0, :, cap:] = attend[:, :, n_prev:]
+            dout = self._run_draft(dkv, hid, tok, fpos, None, topk, stats, mask=mask)
+            dkv.append(self._presents(dout, d["num_layers"]), None, np.zeros(bsz, dtype=np.int64), width=k)
+            prev = dout[C.HIDDEN_OUT]
+            frontiers = [builders[b].expand(dout[C.TOPK_IDS][b], dout[C.TOPK_LOGPROBS][b]) for b in rows]
+        dkv.truncate(w0)
+        built = [builders[b].finish(root_token=int(root[b])) for b in rows]
+        trees = [t for t, _ in built]
+        t_max = max(t.size for t in trees)
+        return trees, np.stack([_pad(tok, t_max, self.pad) for _, tok in built])  # (B, T)
 
 
 def _full_mask(past: np.ndarray, tree: np.ndarray) -> np.ndarray:
@@ -624,7 +678,7 @@ def load(out_dir, provider: str = "auto", threads: int | None = None, optimizati
     ``eagle_draft``: "auto" (one drafter call per step when the export baked the requested EAGLE
     tree, else step-wise), "one_call" (require a baked tree), "stepwise" (1 + depth calls per step).
     ``adaptive``: shrink the tree or fall back to one-token steps when speculation stops paying
-    (graphs.adaptive; one-call EAGLE); greedy output is the same either way and sampling keeps the
+    (graphs.adaptive; Medusa, step-wise and one-call EAGLE); greedy output is the same either way and sampling keeps the
     base distribution. The choices follow measured times, so the policy is off for seeded
     sampling runs (``seed=...``, temperature > 0): those stay reproducible.
     """
