@@ -55,6 +55,10 @@ class OptimizeOptions:
 
     target: str = "cpu"  # the provider the graphs are tuned for: "cpu" | "cuda"
     quantize: str = "none"  # weight-only: "none" | "int8" | "int4" (MatMulNBits)
+    # the drafter's graphs (draft, draft_tree.*) on their own; None: as ``quantize``. A quantized drafter
+    # beside a float base keeps the output exactly the float model's (drafts are only proposals) and
+    # makes drafting cheaper: what EAGLE, whose drafter is a decoder layer and an lm_head, needs most.
+    quantize_draft: str | None = None
     fuse: bool = True  # attention + norms; exact under tree masks, 1.1-1.5x per step on CPU
     float16: bool | None = None  # None: float16 for cuda, float32 for cpu
     block_size: int = 32  # quantization block along K: 32 keeps int4 error small
@@ -73,20 +77,26 @@ class OptimizeOptions:
     def __post_init__(self):
         if self.target not in TARGETS:
             raise UserError(f"unknown --target {self.target!r}; accepted: {', '.join(TARGETS)}")
-        if self.quantize not in QUANTIZE:
-            raise UserError(f"unknown --quantize {self.quantize!r}; accepted: {', '.join(QUANTIZE)}")
+        for flag, q in (("--quantize", self.quantize), ("--quantize-draft", self.quantize_draft)):
+            if q is not None and q not in QUANTIZE:
+                raise UserError(f"unknown {flag} {q!r}; accepted: {', '.join(QUANTIZE)}")
         for flag, level in (("--accuracy-level", self.accuracy_level),
                             ("--draft-accuracy-level", self.draft_accuracy_level)):
             if level not in (0, 1, 2, 3, 4):
                 raise UserError(f"{flag} {level} must be 0-4 (0: float32 compute, 4: int8)")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise UserError(f"--block-size {self.block_size} must be a power of two >= 16 (32 advised)")
-        if not (self.fuse or self.quantize != "none" or self.use_float16):
+        if not (self.fuse or self.quantize != "none" or self.quant_for("draft") != "none" or self.use_float16):
             raise UserError("nothing to do: --no-fuse without --quantize or float16; drop --no-fuse")
 
     @property
     def use_float16(self) -> bool:
         return self.target == "cuda" if self.float16 is None else bool(self.float16)
+
+    def quant_for(self, role: str) -> str:
+        """The weight quantization of ``role``'s graph: the base's is ``quantize``, the drafter's
+        ``quantize_draft`` when given."""
+        return self.quantize if role == "base" or self.quantize_draft is None else self.quantize_draft
 
     def level(self, role: str) -> int:
         """MatMulNBits accuracy level of ``role``'s graph: the base's decides what is emitted."""
@@ -143,20 +153,21 @@ def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=p
         fused.update(norms)
         if norms:
             ops = step("norms", ", ".join(f"{v} {k}" for k, v in norms.items()), t0, ops)
-    if opts.quantize != "none" or opts.use_float16:
+    quantize = opts.quant_for(role)
+    if quantize != "none" or opts.use_float16:
         graphio.load_weights(proto, src.parent)
     quant = None
-    if opts.quantize != "none":
+    if quantize != "none":
         from exporter.passes.quantize import quantize_weights
 
         t0 = time.perf_counter()
-        bits = QUANTIZE[opts.quantize]
+        bits = QUANTIZE[quantize]
         proto, n_q = quantize_weights(proto, bits, opts.block_size, opts.level(role))
         if n_q == 0:
             raise UserError(f"{role} graph {src.name}: no MatMul with a constant weight to quantize")
         quant = {"method": "MatMulNBits", "bits": bits, "block_size": opts.block_size, "symmetric": True,
                  "accuracy_level": opts.level(role), "matmuls": n_q}
-        ops = step(opts.quantize, f"{n_q} MatMul -> MatMulNBits (bits={bits}, block={opts.block_size})", t0, ops)
+        ops = step(quantize, f"{n_q} MatMul -> MatMulNBits (bits={bits}, block={opts.block_size})", t0, ops)
     if opts.use_float16:
         from exporter.passes.fp16 import to_float16
 
@@ -273,10 +284,11 @@ def _validate(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts: O
     """Raw vs rewritten graphs (CPU EP) on the parity cases; raises UserError on a mismatch."""
     from exporter.passes.parity import graph_parity
 
-    strict = opts.quantize == "none"
     atol = rtol = 2e-2 if opts.use_float16 else 1e-4  # exporter.compare's float32/float16 CPU tolerances
-    report = {"strict": strict, "atol": atol, "rtol": rtol, "graphs": {}}
+    report = {"strict": opts.quantize == "none" and opts.quant_for("draft") == "none", "atol": atol, "rtol": rtol,
+              "graphs": {}}
     for role in [r for r in specs if _traced(r)]:
+        strict = opts.quant_for(role) == "none"
         if role.startswith(C.TREE_ROLE_PREFIX):
             report["graphs"][role] = _validate_tree(out_dir, tmp, manifest, specs, role, opts, log)
             continue
@@ -329,12 +341,13 @@ def _validate_tree(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, ro
     not gated (another drafter). Drafts never change greedy output: the base verifies them."""
     from exporter.passes.parity import tree_parity
 
-    strict = opts.quantize == "none" and not opts.use_float16
+    quantized = opts.quant_for(role) != "none"
+    strict = not quantized and not opts.use_float16
     atol = rtol = 2e-2 if opts.use_float16 else 1e-4
     try:
         rows = tree_parity(out_dir / manifest.graphs[role].file, tmp / specs[role].file, manifest.graphs[role],
                            specs[role], atol, rtol, vocab=manifest.source["vocab_size"], strict=strict,
-                           strict_kv=opts.quantize == "none")
+                           strict_kv=not quantized)
     except Exception as e:  # float16 on the CPU EP: no kernels
         if not opts.use_float16 or "NOT_IMPLEMENTED" not in str(e):
             raise UserError(f"optimized {role} graph does not run on ONNX Runtime's CPU EP "
@@ -344,7 +357,7 @@ def _validate_tree(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, ro
     bad = [r for r in rows if not r.ok]
     tokens = min(r.top1 for r in rows if r.output == C.TREE_TOKENS)
     scores = max(r.max_abs for r in rows if r.output == C.TREE_SCORES)
-    what = ("vs raw" if strict else "vs raw float32 (K/V gated, tree reported)" if opts.quantize == "none"
+    what = ("vs raw" if strict else "vs raw float32 (K/V gated, tree reported)" if not quantized
             else "vs raw float32 (quantized: reported, not gated)")
     log(f"  [{role}] parity    {what}: tree tokens equal {tokens:.3f}, max |scores diff| {scores:.2e}, "
         f"{len(rows)} outputs x cases: {'ok' if not bad else 'FAIL'}")
@@ -422,7 +435,9 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
                         f"(float16 for CUDA is --target cuda)")
     _check_space(out_dir, manifest)
     t_start = time.perf_counter()
-    log(f"optimize {out_dir}: target {options.target}, quantize {options.quantize}, "
+    draft_q = options.quant_for("draft")
+    log(f"optimize {out_dir}: target {options.target}, quantize {options.quantize}"
+        f"{'' if draft_q == options.quantize else f' (drafter: {draft_q})'}, "
         f"fuse {options.fuse}, dtype {'float16' if options.use_float16 else 'float32'}", flush=True)
     # The one-call EAGLE tree graphs (draft_tree.*) get the draft graph's passes: their drafter forwards
     # are the draft graph's, unrolled (fused, quantized, float16 with the drafter K/V in the cache dtype).
@@ -543,6 +558,10 @@ def add_arguments(ap) -> None:
     """The optimize options, shared with ``python -m exporter.export --optimize``."""
     ap.add_argument("--target", default="cpu", help="provider to tune for: cpu (default) | cuda (float16)")
     ap.add_argument("--quantize", default="none", help="weight-only: none (default) | int8 | int4")
+    ap.add_argument("--quantize-draft", default=None,
+                    help="the drafter's graphs on their own: none | int8 | int4 (default: as --quantize). "
+                         "A quantized drafter beside a float base drafts faster and the output stays the "
+                         "float model's")
     ap.add_argument("--no-fuse", action="store_true", help="skip the attention and norm fusions")
     ap.add_argument("--float32", action="store_true", help="keep float32 on --target cuda")
     ap.add_argument("--block-size", type=int, default=32, help="quantization block size (default 32)")
@@ -560,7 +579,8 @@ def add_arguments(ap) -> None:
 
 
 def options_from_args(args) -> dict:
-    return {"target": args.target, "quantize": args.quantize, "fuse": not args.no_fuse,
+    return {"target": args.target, "quantize": args.quantize, "quantize_draft": args.quantize_draft,
+            "fuse": not args.no_fuse,
             "float16": False if args.float32 else None, "block_size": args.block_size,
             "accuracy_level": args.accuracy_level, "draft_accuracy_level": args.draft_accuracy_level,
             "tune": not args.no_tune, "tune_budget_s": args.tune_budget_s}

@@ -170,3 +170,24 @@ def test_float16_tree_graph_follows_the_manifest(optimized, kind):
     sp = dec.generate(PROMPTS, max_new_tokens=12)
     assert [r.token_ids for r in sp] == [r.token_ids for r in ar]
     assert sp[0].stats.draft_calls == sp[0].stats.steps > 0
+
+
+def test_quantized_drafter_beside_a_float_base(exported, tmp_path):
+    """--quantize none --quantize-draft int4: the base stays float32 (the output is the float model's),
+    the drafter graphs (draft and the one-call trees) are int4 at accuracy level 4."""
+    out = tmp_path / "out"
+    shutil.copytree(exported("eagle"), out)
+    optimize_export(out, quantize="none", quantize_draft="int4", progress=None, time_gain=False)
+    m = Manifest.read(out)
+    assert m.optimization["base"]["quantization"] is None
+    trees = [r for r in m.graphs if r.startswith(C.TREE_ROLE_PREFIX)]
+    assert trees
+    for role in ["draft", *trees]:
+        q = m.optimization[role]["quantization"]
+        assert q["bits"] == 4 and q["accuracy_level"] == 4, role
+    dec = graphs.load(out, provider="cpu", threads=1, eagle_draft="one_call", adaptive=False)
+    prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8]]
+    want = [r.token_ids for r in dec.generate(prompts, max_new_tokens=16, mode="autoregressive")]
+    got = dec.generate(prompts, max_new_tokens=16)
+    assert [r.token_ids for r in got] == want  # the float32 base's greedy output, token for token
+    assert all(r.stats.draft_calls == r.stats.steps for r in got)
