@@ -267,3 +267,27 @@ def test_a_lucky_probe_halves_the_wait_instead_of_resetting_it():
     p.observe([chain], [[0, 1, 2]], 3, 1.0, 0.2, live)  # the probe accepted everything
     assert p.plan_is_speculative(0)
     assert p.wait == 16
+
+
+def test_a_clearly_paying_full_tree_is_kept_without_deciding_every_step(monkeypatch):
+    """While the full tree beats a plain step by fast_margin, plan() decides (and observe() updates
+    gains) only every recheck_every drafted steps; when the gain collapses the next decision sees it."""
+    p = AdaptivePolicy(1, 3, AdaptiveConfig(recheck_every=4, fast_margin=1.25))
+    p.verify[:] = 1.0
+    p.draft, p.host_plain, p.host_spec = 0.2, 0.0, 0.0
+    p.gain[0] = [1.0, 2.0, 3.0]  # full tree: 3 tokens / 1.2 s vs 1 / 1 s plain: 2.5x
+    chain = Tree.from_parents([-1, 0, 1], score=np.array([0.0, -1, -2]))
+    calls = []
+    real = p.rates
+    monkeypatch.setattr(p, "rates", lambda b: calls.append(b) or real(b))
+    live = np.array([True])
+    for _ in range(8):
+        assert int(p.plan(live)[0]) == 3
+        p.observe([chain], [[0, 1, 2]], 3, 1.0, 0.2, live)
+    assert len(calls) == 3  # plan() decided at steps 0 and 4 only, observe() checked step 4 (without: 15)
+    for _ in range(40):  # nothing accepted any more: the policy must notice and go plain
+        n = int(p.plan(live)[0])
+        if n == 1:
+            break
+        p.observe([chain], [[0]], 3, 1.0, 0.2, live)
+    assert n == 1
