@@ -130,7 +130,8 @@ class CompareReport:
                 extra = f" kl={r.kl:.3g} top1_decided={decided}"
                 mark = "" if r.ok else f"  FAIL (quality: top1_decided>={q.top1:g}, kl<={q.kl:g})"
             else:
-                extra = " (not gated: quantized)" if r.check == "info" else ""
+                why = "quantized" if self.quantization.get(r.graph, "none") != "none" else "reduced-precision tree"
+                extra = f" (not gated: {why})" if r.check == "info" else ""
                 mark = "" if r.ok else f"  FAIL (limit {r.limit:.2e})"
             lines.append(
                 f"{r.graph:6} {r.case:22} {r.output:18} {r.max_abs:9.2e} {r.max_rel:9.2e} {top1:>6}  "

@@ -72,7 +72,7 @@ class AdaptiveConfig:
 
     def __post_init__(self):
         if (not 0 < self.ema <= 1 or self.margin <= 0 or not 1 <= self.probe_every <= self.max_probe_every
-                or self.recheck_every < 1 or self.fast_margin < self.margin):
+                or self.recheck_every < 1):
             raise ValueError(f"AdaptiveConfig: bad values {self}")
 
 
@@ -240,7 +240,7 @@ class AdaptivePolicy:
             best = int(np.argmax(r[1:])) + 2
             if r[best - 1] >= self.cfg.margin * r[0]:
                 sizes[b] = best
-            clear = clear and best == self.t and r[best - 1] >= self.cfg.fast_margin * r[0]
+            clear = clear and sizes[b] == self.t and r[best - 1] >= self.cfg.fast_margin * r[0]
         if clear and self.cfg.recheck_every > 1:
             self._fast_left, self._fast_live = self.cfg.recheck_every - 1, live.copy()
         if sizes.max() == 1:
