@@ -295,13 +295,8 @@ def _validate(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts: O
         try:
             rows = graph_parity(out_dir / manifest.graphs[role].file, tmp / specs[role].file, manifest.graphs[role],
                                 specs[role], atol, rtol, vocab=manifest.source["vocab_size"], strict=strict)
-        except Exception as e:  # a provider without kernels for this dtype (float16 on the CPU EP)
-            if not opts.use_float16 or "NOT_IMPLEMENTED" not in str(e):
-                raise UserError(f"optimized {role} graph does not run on ONNX Runtime's CPU EP "
-                                f"({str(e).splitlines()[0][:200]}); the export is untouched") from None
-            report["graphs"][role] = {"skipped": "no float16 CPU kernels; check on the GPU with "
-                                                 "python -m exporter.compare --provider cuda"}
-            log(f"  [{role}] parity    skipped: the CPU EP has no float16 kernels for it (check on the GPU)")
+        except Exception as e:
+            report["graphs"][role] = _not_on_cpu(e, role, opts, log)
             continue
         bad = [r for r in rows if not r.ok]
         if role == "base":  # one row alone vs in a tree: what greedy speculative == autoregressive needs
@@ -333,6 +328,16 @@ def _validate(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts: O
     return report
 
 
+def _not_on_cpu(e: Exception, role: str, opts: OptimizeOptions, log) -> dict:
+    """A parity run that raised: a float16 graph the CPU EP has no kernels for is left to the GPU check
+    (the returned record says so); anything else is an error and the export stays untouched."""
+    if not opts.use_float16 or "NOT_IMPLEMENTED" not in str(e):
+        raise UserError(f"optimized {role} graph does not run on ONNX Runtime's CPU EP "
+                        f"({str(e).splitlines()[0][:200]}); the export is untouched") from None
+    log(f"  [{role}] parity    skipped: the CPU EP has no float16 kernels for it (check on the GPU)")
+    return {"skipped": "no float16 CPU kernels; check on the GPU with python -m exporter.compare --provider cuda"}
+
+
 def _validate_tree(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, role: str, opts: OptimizeOptions,
                    log) -> dict:
     """Raw vs rewritten one-call tree graph. float32: the same tree (tokens, parents, depths, mask
@@ -348,12 +353,8 @@ def _validate_tree(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, ro
         rows = tree_parity(out_dir / manifest.graphs[role].file, tmp / specs[role].file, manifest.graphs[role],
                            specs[role], atol, rtol, vocab=manifest.source["vocab_size"], strict=strict,
                            strict_kv=not quantized)
-    except Exception as e:  # float16 on the CPU EP: no kernels
-        if not opts.use_float16 or "NOT_IMPLEMENTED" not in str(e):
-            raise UserError(f"optimized {role} graph does not run on ONNX Runtime's CPU EP "
-                            f"({str(e).splitlines()[0][:200]}); the export is untouched") from None
-        log(f"  [{role}] parity    skipped: the CPU EP has no float16 kernels for it (check on the GPU)")
-        return {"skipped": "no float16 CPU kernels; check on the GPU"}
+    except Exception as e:
+        return _not_on_cpu(e, role, opts, log)
     bad = [r for r in rows if not r.ok]
     tokens = min(r.top1 for r in rows if r.output == C.TREE_TOKENS)
     scores = max(r.max_abs for r in rows if r.output == C.TREE_SCORES)

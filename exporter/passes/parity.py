@@ -84,6 +84,21 @@ def _limit(ref: np.ndarray, atol: float, rtol: float) -> float:
     return atol + rtol * float(np.abs(ref).max()) if ref.size else atol
 
 
+def _paired_runs(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, cases, make_feed, vocab: int,
+                 threads: int):
+    """``(case, want, got)`` per case: the raw graph on the case's feed, the rewritten one on the same
+    feed cast to its own input dtypes (float16 graphs), each as a dict output name -> array."""
+    from graphs.sessions import make_session  # honours a process-wide thread pool (exporter.bench)
+
+    a, b = make_session(raw, "cpu", threads), make_session(new, "cpu", threads)
+    for i, case in enumerate(cases):
+        feed = make_feed(spec, case, seed=i, vocab=vocab)
+        new_feed = {t.name: feed[t.name].astype(t.dtype) if t.dtype.startswith("float") else feed[t.name]
+                    for t in new_spec.inputs}
+        yield (case, dict(zip(spec.output_names, a.run(spec.output_names, feed))),
+               dict(zip(new_spec.output_names, b.run(new_spec.output_names, new_feed))))
+
+
 def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, atol: float, rtol: float,
                  vocab: int, strict: bool = True, threads: int = 1) -> list[ParityRow]:
     """Run ``raw`` (float32, the exported trace) and ``new`` on every case; one row per output.
@@ -92,17 +107,10 @@ def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec,
     errors and top-1 agreement are reported. ``topk_ids`` is compared by agreement only (equal
     scores may come out in either order).
     """
-    from graphs.sessions import make_session  # honours a process-wide thread pool (exporter.bench)
-
-    a, b = make_session(raw, "cpu", threads), make_session(new, "cpu", threads)
     rows = []
-    for i, case in enumerate(CASES):
-        feed = random_feed(spec, case, seed=i, vocab=vocab)
-        new_feed = {t.name: feed[t.name].astype(t.dtype) if t.dtype.startswith("float") else feed[t.name]
-                    for t in new_spec.inputs}
-        want = a.run(spec.output_names, feed)
-        got = b.run(new_spec.output_names, new_feed)
-        for t, w, g in zip(spec.outputs, want, got):
+    for case, want, got in _paired_runs(raw, new, spec, new_spec, CASES, random_feed, vocab, threads):
+        for t in spec.outputs:
+            w, g = want[t.name], got[t.name]
             w64, g64 = w.astype(np.float64), g.astype(np.float64)
             finite = bool(np.isfinite(g64).all())
             if t.name == C.TOPK_IDS:
@@ -180,16 +188,8 @@ def tree_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, 
     rows, which no tree choice affects, within the tolerance.
     """
     strict_kv = strict if strict_kv is None else strict_kv
-    from graphs.sessions import make_session
-
-    a, b = make_session(raw, "cpu", threads), make_session(new, "cpu", threads)
     rows = []
-    for i, case in enumerate(TREE_CASES):
-        feed = tree_feed(spec, case, seed=i, vocab=vocab)
-        new_feed = {t.name: feed[t.name].astype(t.dtype) if t.dtype.startswith("float") else feed[t.name]
-                    for t in new_spec.inputs}
-        want = dict(zip(spec.output_names, a.run(spec.output_names, feed)))
-        got = dict(zip(new_spec.output_names, b.run(new_spec.output_names, new_feed)))
+    for case, want, got in _paired_runs(raw, new, spec, new_spec, TREE_CASES, tree_feed, vocab, threads):
         for name in spec.output_names:
             w, g = want[name], got[name]
             if name in _TREE_EXACT:
