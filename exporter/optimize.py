@@ -41,6 +41,7 @@ from graphs.manifest import MANIFEST, ArtifactError, Manifest
 
 TARGETS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 QUANTIZE = {"none": 0, "int8": 8, "int4": 4}
+TUNE_BUDGET_S = 60.0  # the re-tuning after optimize: its EAGLE sweep's time (Medusa needs less)
 TRACED = ("base", "draft")  # graphs with weights and attention; kv_update graphs have neither
 
 
@@ -402,7 +403,7 @@ def _time_gain(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, log) -
 
 
 def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", progress=print, tune: bool = False,
-                    tune_budget_s: float = 60.0, tune_prompts: list[str] | None = None,
+                    tune_budget_s: float = TUNE_BUDGET_S, tune_prompts: list[str] | None = None,
                     tune_threads: int | None = None, **opts) -> dict:
     """Optimize the export in ``out_dir`` in place; returns the summary (JSON-able).
 
@@ -519,9 +520,7 @@ def _retune(out_dir: Path, options: OptimizeOptions, manifest: Manifest, budget_
     except UserError as e:
         raise UserError(f"{out_dir} is optimized, but tuning its tree failed ({e}); the default tree is the "
                         f"untuned one: retry with python -m exporter.tune {out_dir}") from None
-    best = report["best"]
-    return report["confirmed"] | {"tree": best.get("medusa_paths") or {k: best[k] for k in ("topk", "depth",
-                                                                                         "total_tokens")}}
+    return report["confirmed"] | {"tree": report["tree"]}
 
 
 def _versions() -> dict:
@@ -569,7 +568,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--no-tune", action="store_true",
                     help="keep the default tree as it is instead of re-tuning it for the optimized graphs "
                          "on this machine (default: re-tune, python -m exporter.tune)")
-    ap.add_argument("--tune-budget-s", type=float, default=60.0,
+    ap.add_argument("--tune-budget-s", type=float, default=TUNE_BUDGET_S,
                     help="time for the EAGLE tree sweep of the re-tuning (default 60)")
     ap.add_argument("--accuracy-level", type=int, default=0,
                     help="the base's MatMulNBits compute: 0 float32 (default, lossless speculative), 4 int8 "

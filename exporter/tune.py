@@ -37,6 +37,7 @@ from graphs.adaptive import counterfactual_gain
 from graphs.eagle_draft import baked_trees
 from graphs.kv import KVCache
 from graphs.manifest import Manifest
+from graphs.sessions import base_precision
 from graphs.trees import expected_accepted, medusa_paths_from_acceptance
 
 DEFAULT_PROMPTS = [
@@ -225,15 +226,6 @@ def bake_tree(out_dir: Path, model_dir, cfg: tuple[int, int, int], log=print) ->
 # ------------------------------------------------------------------ the tuner
 
 
-def tuned_for(manifest: Manifest) -> dict:
-    """What the base graph is (dtype, quantization, passes): a tree tuned on one precision is recorded
-    with it, so the runtime can tell when the graphs changed under it (graphs.sessions.warn_if_tree_stale)."""
-    from graphs.sessions import base_precision
-
-    return base_precision(manifest.optimization, manifest.source.get("dtype", "float32"))
-
-
-
 def tune(out_dir, prompts: list[str] | None = None, provider: str = "cpu", threads: int | None = None,
          budget_s: float = 300.0, model_dir=None, max_new_tokens: int = 48, log=print) -> dict:
     """Measure, pick and record the fastest tree for ``out_dir`` on this machine; returns the report."""
@@ -266,8 +258,10 @@ def tune(out_dir, prompts: list[str] | None = None, provider: str = "cpu", threa
              "mean_accepted_length": confirmed["mean_accepted_length"],
              "draft_calls_per_step": confirmed["draft_calls_per_step"],
              "provider": dec.provider, "threads": threads, "seconds": time.perf_counter() - t_start,
-             "graphs": tuned_for(dec.manifest)}
+             # the base graphs it was measured on: graphs.load warns when they change under the tree
+             "graphs": base_precision(dec.manifest.optimization, dec.manifest.source.get("dtype", "float32"))}
     report["confirmed"] = tuned
+    report["tree"] = tree_kw["tree"]  # what became the default: Medusa paths or an EAGLE setting
     if tuned["measured_tokens_per_s"] < ar["tokens_per_s"]:
         log("note: on this machine no tree beats plain decoding; graphs.load(adaptive=True) falls back to "
             "one-token steps where speculation does not pay", flush=True)

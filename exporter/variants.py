@@ -45,23 +45,28 @@ def prepare(out_dir: Path, names: list[str], work: Path, log=print, tune: bool =
             threads: int | None = None) -> dict[str, Path]:
     """One optimized copy of ``out_dir`` per variant under ``work``; ``tune``: each copy's default tree
     re-tuned for its own graphs on this machine (exporter.tune), as ``python -m exporter.optimize`` does."""
-    from exporter.optimize import optimize_export
+    from exporter.optimize import TUNE_BUDGET_S, optimize_export
+    from exporter.tune import tune as tune_tree
     from graphs.manifest import Manifest
 
-    if Manifest.read(out_dir, verify=False).optimization:
+    manifest = Manifest.read(out_dir, verify=False)
+    if manifest.optimization:
         raise UserError(f"{out_dir} is already optimized; --variants needs the raw export (re-export it)")
+    tune = tune and bool(manifest.drafter)
+    quiet = lambda *a, **k: None
     dirs = {}
     for name in names:
         d = work / name
         shutil.copytree(out_dir, d)
         if name != "raw":
             log(f"variant {name}:", flush=True)
-            optimize_export(d, progress=lambda *a, **k: None, time_gain=False, **VARIANTS[name])
-        if tune and Manifest.read(d, verify=False).drafter:
-            from exporter.tune import tune as tune_tree
-
-            r = tune_tree(d, threads=threads, budget_s=60.0, log=lambda *a, **k: None)
-            log(f"variant {name}: tuned tree {r['best'].get('medusa_paths') or r['best']}", flush=True)
+            summary = optimize_export(d, progress=quiet, time_gain=False, tune=tune, tune_threads=threads,
+                                      **VARIANTS[name])
+            tree = summary.get("tune", {}).get("tree")
+        elif tune:  # the raw copy is not optimized: tuned as optimize tunes the others
+            tree = tune_tree(d, threads=threads, budget_s=TUNE_BUDGET_S, log=quiet)["tree"]
+        if tune:
+            log(f"variant {name}: tuned tree {tree}", flush=True)
         dirs[name] = d
     return dirs
 

@@ -103,22 +103,22 @@ class PendingRows:
 _TREE_OUT = [C.TREE_TOKENS, C.TREE_PARENTS, C.TREE_DEPTH, C.TREE_SCORES, C.TREE_MASK]
 
 
-def one_call_steps(dec, seqs, sampler, stats, role: str, adaptive: bool = False):
+def one_call_steps(dec, seqs, sampler, stats, role: str):
     """The EAGLE decode loop with one drafter call per step (a generator, like ``Decoder._eagle``).
 
-    ``dec`` is the :class:`graphs.runtime.Decoder` (its sessions, caches, verify and accept).
-    ``adaptive``: a :class:`graphs.adaptive.AdaptivePolicy` cuts each sequence's tree to the size
-    that pays, down to plain one-token steps that skip the drafter (greedy output is unchanged).
+    ``dec`` is the :class:`graphs.runtime.Decoder` (its sessions, caches, verify and accept). When the
+    decoder is adaptive for this run, a :class:`graphs.adaptive.AdaptivePolicy` cuts each sequence's
+    tree to the size that pays, down to plain one-token steps that skip the drafter (greedy output is
+    unchanged).
     """
+    from graphs.runtime import _full_mask
+
     spec, session = dec.manifest.graphs[role], dec.tree_sessions[role]
-    kv, out, last, rows, dkv, feat_name, root = dec._eagle_start(seqs, sampler, stats)
+    kv, rows, dkv, feat_name, root, pend, pos = dec._eagle_start(seqs, sampler, stats)
     bsz, d = len(seqs), dec.drafter
     size = spec.output(C.TREE_TOKENS).dims[1]
-    policy = dec._new_policy(bsz, size, sampler, ("eagle_one_call", role, size)) if adaptive else None
+    policy = dec._new_policy(bsz, size, sampler, ("eagle_one_call", role, size))
     yield [(b, [int(root[b])]) for b in rows]
-    pend = PendingRows([out[feat_name][b, : last[b] + 1] for b in rows],
-                       [np.append(seqs[b].prompt[1:], root[b]) for b in rows], dec.dtype, dec.pad)
-    pos = last + 1  # the root's position
     while True:
         live = np.array([not s.done for s in seqs])
         sizes = policy.plan(live) if policy is not None else None
@@ -128,11 +128,8 @@ def one_call_steps(dec, seqs, sampler, stats, role: str, adaptive: bool = False)
             stats.plain_steps += 1
         else:
             feats, ids, ppos, causal, counts = pend.arrays()
-            past = dkv.past_mask()
-            mask = np.concatenate([np.broadcast_to(past[:, None, :], (bsz, causal.shape[1], past.shape[1])), causal],
-                                  axis=2)[:, None]  # (B, 1, A, P+A)
-            feed = {feat_name: feats, C.INPUT_IDS: ids, C.POSITION_IDS: ppos, C.ATTENTION_MASK: mask,
-                    C.ROOT_INDEX: counts - 1}
+            feed = {feat_name: feats, C.INPUT_IDS: ids, C.POSITION_IDS: ppos,
+                    C.ATTENTION_MASK: _full_mask(dkv.past_mask(), causal), C.ROOT_INDEX: counts - 1}  # (B, 1, A, P+A)
             t0 = time.perf_counter()
             o = dec._execute(session, spec, feed, dkv, _TREE_OUT)
             t_draft = time.perf_counter() - t0
@@ -145,21 +142,6 @@ def one_call_steps(dec, seqs, sampler, stats, role: str, adaptive: bool = False)
             layout = (depth, tmask)
             if sizes is not None and sizes.min() < cand.shape[1]:
                 trees, cand, layout = policy.shrink(trees, cand, sizes)
-        t_verify = stats.time_verify
-        out, accepted, bonus = dec._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout)
-        if policy is not None:
-            policy.observe(trees if t_draft is not None else None, accepted, cand.shape[1],
-                           stats.time_verify - t_verify, t_draft, live)
-        emitted = []
-        for b in rows:
-            acc = accepted[b]
-            emitted.append((b, [int(x) for x in cand[b, acc[1:]]] + [int(bonus[b])]))
-            keep = 1 if seqs[b].done else len(acc)  # finished: one row keeps the batch rectangular
-            feats_b, ids_b = out[feat_name][b, acc[:keep]], np.append(cand[b, acc[1:]], bonus[b])[:keep]
-            if t_draft is None:  # no drafter call: these rows join the ones still waiting
-                pend.extend(b, feats_b, ids_b)
-            else:
-                pend.set(b, feats_b, ids_b, pos[b])
-            pos[b] += len(acc)
-            root[b] = bonus[b]
-        yield emitted
+        out, accepted, bonus = dec._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout,
+                                                      policy, t_draft, live)
+        yield dec._eagle_emit(seqs, out, accepted, bonus, cand, feat_name, pend, pos, root, t_draft is not None)

@@ -380,21 +380,24 @@ class Decoder:
             cfg = self._eagle_tree(tree)
             role = choose_graph(self.manifest, cfg, self.eagle_draft)
             if role is not None:
-                yield from one_call_steps(self, seqs, sampler, stats, role, adaptive=self._adaptive_now)
+                yield from one_call_steps(self, seqs, sampler, stats, role)
             else:
                 yield from self._eagle(seqs, sampler, stats, cfg)
 
     def _verify_and_accept(self, kv, seqs, sampler, stats, trees: list[Tree], tokens: np.ndarray, pos,
-                           layout=None):
+                           layout=None, policy=None, t_draft: float | None = None, live=None):
         """Verify (B, T) candidate tokens in one base forward; commit accepted K/V rows.
 
         ``layout``: (depth (B, T), mask (B, T, T)) when the trees are known in advance (static).
+        ``policy``: the adaptive policy, told what the step cost and accepted (``t_draft`` None: a
+        plain step; ``live``: the sequences still decoding).
         Returns (base outputs, accepted node lists, bonus tokens)."""
         bsz, t = tokens.shape
         depth, mask = layout or _tree_layout(trees, t)
         t0 = time.perf_counter()
         out = self._run_base(kv, tokens, pos[:, None] + depth, mask)
-        stats.time_verify += time.perf_counter() - t0
+        t_verify = time.perf_counter() - t0
+        stats.time_verify += t_verify
         accepted, bonus = [], []
         for b in range(bsz):
             nodes, nxt = sampler.accept(trees[b], tokens[b, : trees[b].size], out[C.LOGITS][b, : trees[b].size])
@@ -408,6 +411,8 @@ class Decoder:
         kv.append(self._presents(out, self._n_layers), idx, counts)
         stats.steps += 1
         stats.accepted += [int(c) for b, c in enumerate(counts) if not seqs[b].done]
+        if policy is not None:
+            policy.observe(None if t_draft is None else trees, accepted, t, t_verify, t_draft, live)
         return out, accepted, bonus
 
     # Medusa -----------------------------------------------------------------------------
@@ -444,7 +449,8 @@ class Decoder:
         trees = [ranked] * bsz
         layout = _tree_layout(trees, tree.size)  # static: built once
         while True:
-            sizes = policy.plan(np.array([not s.done for s in seqs])) if policy is not None else None
+            live = np.array([not s.done for s in seqs])
+            sizes = policy.plan(live) if policy is not None else None
             t_draft = None
             if sizes is not None and sizes.max() == 1:  # a plain step: the heads are not run at all
                 step_trees, cand, step_layout = plain_inputs(root)
@@ -459,12 +465,8 @@ class Decoder:
                 step_trees, step_layout = trees, layout
                 if sizes is not None and sizes.min() < tree.size:
                     step_trees, cand, step_layout = policy.shrink(trees, cand, sizes, static=True)
-            t_verify = stats.time_verify
             out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, step_trees, cand, pos,
-                                                           step_layout)
-            if policy is not None:
-                policy.observe(None if t_draft is None else step_trees, accepted, cand.shape[1],
-                               stats.time_verify - t_verify, t_draft, np.array([not s.done for s in seqs]))
+                                                           step_layout, policy, t_draft, live)
             emitted = []
             for b in rows:
                 a = accepted[b]
@@ -533,28 +535,47 @@ class Decoder:
 
     def _eagle_start(self, seqs, sampler, stats):
         """What both EAGLE loops (step-wise here, one-call in graphs.eagle_draft) begin with: the
-        prefill, an empty drafter cache, the base feature the drafter reads and the first token."""
+        prefill, an empty drafter cache, the base feature the drafter reads, the first token, the
+        drafter's pending context rows and the root's position."""
         kv, out, last = self._prefill(seqs, stats)
         rows = np.arange(len(seqs))
         d = self.drafter
         dkv = self._new_cache(len(seqs), d["num_layers"], d["num_kv_heads"], d["head_dim"], draft=True)
         feat_name = C.AUX_HIDDEN if d.get("eagle3") else C.HIDDEN
         root = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
-        return kv, out, last, rows, dkv, feat_name, root
-
-    def _eagle(self, seqs, sampler, stats, cfg: dict):
-        kv, out, last, rows, dkv, feat_name, root = self._eagle_start(seqs, sampler, stats)
-        bsz = len(seqs)
-        yield [(b, [int(root[b])]) for b in rows]
         # drafter context: (feature of position t, token t+1) for every position not yet drafted from
         pend = PendingRows([out[feat_name][b, : last[b] + 1] for b in rows],
                            [np.append(seqs[b].prompt[1:], root[b]) for b in rows], self.dtype, self.pad)
-        pos = last + 1  # the root's position
+        return kv, rows, dkv, feat_name, root, pend, last + 1
+
+    def _eagle_emit(self, seqs, out, accepted, bonus, cand, feat_name, pend, pos, root, drafted: bool) -> list:
+        """Both EAGLE loops after a verify: the emitted tokens per sequence; the accepted rows become
+        the drafter's next context (``drafted``) or join the rows still waiting (a plain step);
+        ``pos`` and ``root`` move on (in place)."""
+        emitted = []
+        for b in range(len(seqs)):
+            acc = accepted[b]
+            emitted.append((b, [int(x) for x in cand[b, acc[1:]]] + [int(bonus[b])]))
+            keep = 1 if seqs[b].done else len(acc)  # finished: one row keeps the batch rectangular
+            feats_b, ids_b = out[feat_name][b, acc[:keep]], np.append(cand[b, acc[1:]], bonus[b])[:keep]
+            if drafted:
+                pend.set(b, feats_b, ids_b, pos[b])
+            else:
+                pend.extend(b, feats_b, ids_b)
+            pos[b] += len(acc)
+            root[b] = bonus[b]
+        return emitted
+
+    def _eagle(self, seqs, sampler, stats, cfg: dict):
+        kv, rows, dkv, feat_name, root, pend, pos = self._eagle_start(seqs, sampler, stats)
+        bsz = len(seqs)
+        yield [(b, [int(root[b])]) for b in rows]
         topk = np.array([cfg["topk"]], dtype=np.int64)
         policy = self._new_policy(bsz, cfg["total_tokens"], sampler,
                                   ("eagle_stepwise", cfg["topk"], cfg["depth"], cfg["total_tokens"]))
         while True:
-            sizes = policy.plan(np.array([not s.done for s in seqs])) if policy is not None else None
+            live = np.array([not s.done for s in seqs])
+            sizes = policy.plan(live) if policy is not None else None
             t_draft = None
             if sizes is not None and sizes.max() == 1:  # a plain step: no drafter call, its rows wait
                 trees, cand, layout = plain_inputs(root)
@@ -567,24 +588,9 @@ class Decoder:
                 if sizes is not None and sizes.min() < cand.shape[1]:
                     trees, cand, layout = policy.shrink(trees, cand, sizes)
             # 3) verify and accept
-            t_verify = stats.time_verify
-            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout)
-            if policy is not None:
-                policy.observe(None if t_draft is None else trees, accepted, cand.shape[1],
-                               stats.time_verify - t_verify, t_draft, np.array([not s.done for s in seqs]))
-            emitted = []
-            for b in rows:
-                acc = accepted[b]
-                emitted.append((b, [int(x) for x in cand[b, acc[1:]]] + [int(bonus[b])]))
-                keep = 1 if seqs[b].done else len(acc)  # finished: one row keeps the batch rectangular
-                feats_b, ids_b = out[feat_name][b, acc[:keep]], np.append(cand[b, acc[1:]], bonus[b])[:keep]
-                if t_draft is None:  # no drafter call: these rows join the ones still waiting
-                    pend.extend(b, feats_b, ids_b)
-                else:
-                    pend.set(b, feats_b, ids_b, pos[b])
-                pos[b] += len(acc)
-                root[b] = bonus[b]
-            yield emitted
+            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout,
+                                                           policy, t_draft, live)
+            yield self._eagle_emit(seqs, out, accepted, bonus, cand, feat_name, pend, pos, root, t_draft is not None)
 
     def _eagle_draft(self, dkv, pend: PendingRows, root, pos, topk, cfg: dict, stats):
         """Step-wise EAGLE drafting: the pending context rows into the drafter cache, then one
