@@ -395,6 +395,13 @@ class Engine:
             if sizes[b] > 1:
                 st.time_draft += t_draft
                 st.draft_calls += calls
+                for s_ in (st, tot):  # vLLM's spec-decode counters: drafts, draft tokens, accepted by position
+                    s_.draft_tokens += tree.size - 1
+                    s_.accepted_drafts += len(a) - 1
+                    if len(s_.accepted_per_pos) < len(a) - 1:
+                        s_.accepted_per_pos += [0] * (len(a) - 1 - len(s_.accepted_per_pos))
+                    for k in range(len(a) - 1):
+                        s_.accepted_per_pos[k] += 1
                 if req.gains is not None:
                     self.planner.learn(req.prior_key, req.gains.observe(tree, a))
             else:

@@ -24,6 +24,9 @@ class Stats:
     time_total: float = 0.0
     draft_calls: int = 0  # drafter graph calls after prefill (EAGLE step-wise: 1 + depth per step)
     time_to_first_token: float = 0.0  # seconds from the request's arrival to its first token (engine)
+    draft_tokens: int = 0  # drafted tokens verified (tree nodes past the root, drafted steps only)
+    accepted_drafts: int = 0  # of them, accepted (tokens emitted per drafted step, less the bonus)
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafted steps that accepted > k drafts
 
     @property
     def mean_accepted_length(self) -> float:
@@ -60,6 +63,9 @@ class Stats:
             "time_total": self.time_total,
             "draft_calls": self.draft_calls,
             "time_to_first_token": self.time_to_first_token,
+            "draft_tokens": self.draft_tokens,
+            "accepted_drafts": self.accepted_drafts,
+            "accepted_per_pos": list(self.accepted_per_pos),
         }
 
 

@@ -281,10 +281,10 @@ class Decoder:
                                  if req.tree_role else req.tree["total_tokens"])
                 key = ("eagle", req.tree_role, req.tree["topk"], req.tree["depth"], req.tree["total_tokens"])
             req.prior_key = (*key, p.temperature, p.top_p, p.top_k, p.acceptance)
-            if spec == "adaptive":
-                prior = self.priors.get(req.prior_key)
-                req.gains = RowGains(req.tree_size, None if prior is None else prior[0].copy(),
-                                     (self.adaptive_config or AdaptiveConfig()).ema)
+            # on rows too: their expected tokens weigh in the batch's choice of width
+            prior = self.priors.get(req.prior_key)
+            req.gains = RowGains(req.tree_size, None if prior is None else prior[0].copy(),
+                                 (self.adaptive_config or AdaptiveConfig()).ema)
         if self.tokenizer is not None:
             from tokenizers.decoders import DecodeStream
 
