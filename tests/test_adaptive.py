@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -117,7 +119,7 @@ def test_trees_shrink_smoothly_as_the_batch_grows():
         last.append(_run(Planner(AdaptiveConfig(max_probe_every=1000)), 8, 60, gain_of=lambda i: i % 6 + 1,
                          cost_of=cost, draft=0.05, rows=rows)[-1])
     assert last[0] >= 4 and last[-1] == 1
-    assert all(a >= b for a, b in zip(last, last[1:]))  # never wider with more load
+    assert all(a >= b for a, b in itertools.pairwise(last))  # never wider with more load
     assert any(1 < w < last[0] for w in last)  # a narrower tree before plain steps: no cliff
 
 

@@ -199,7 +199,8 @@ def test_the_real_policy_keeps_greedy_exact_and_seeds_the_next_run(trained, auto
         results = dec.generate(PROMPTS[7:10], max_new_tokens=N_NEW)
     assert [r.token_ids for r in results] == autoregressive_tokens[7:10]
     s = results[0].stats
-    assert len(dec.priors) == 1 and set(measured) <= set(dec.costs.verify)  # one setting: the second run carried the first
+    # one setting: the second run carried the first's costs and gains
+    assert len(dec.priors) == 1 and set(measured) <= set(dec.costs.verify)
     steps: dict[int, list[int]] = {}
     for rec in records:  # one record per (step, live row): a step is plain if no row drafted
         steps.setdefault(rec.step, []).append(rec.tree.size)

@@ -17,7 +17,7 @@ import tracemalloc
 import numpy as np
 import pytest
 from test_runtime import EAGLE_TREES, MEDUSA_TREES, N_NEW, PROMPTS, references, trained  # noqa: F401 (fixtures)
-from test_spec_sampling import PROMPT, P_MIN, VOCAB, chi_square, exact_joint, setup  # noqa: F401 (fixture)
+from test_spec_sampling import P_MIN, PROMPT, VOCAB, chi_square, exact_joint, setup  # noqa: F401 (fixture)
 
 import graphs
 from graphs.engine import EngineConfig
@@ -80,7 +80,7 @@ def random_schedule(seed: int, kind: str, draft: str, n: int = 14) -> list[dict]
 
 @pytest.mark.parametrize(("kind", "draft"), SCHEDULES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_greedy_requests_are_exact_under_random_traffic(trained, kind, draft, seed):
+def test_greedy_requests_are_exact_under_random_traffic(trained, kind, draft, seed):  # noqa: F811
     t = trained(kind)
     dec = graphs.load(t.out_dir, provider="cpu", threads=1, eagle_draft=draft)
     engine = dec.engine(EngineConfig(max_batch=4, prefill_chunk=4, step_tokens=12))
@@ -110,19 +110,19 @@ def test_greedy_requests_are_exact_under_random_traffic(trained, kind, draft, se
 
 
 @pytest.mark.parametrize("speculation", ["on", "off"])
-def test_a_seeded_request_is_reproducible_whatever_else_runs(trained, speculation):
+def test_a_seeded_request_is_reproducible_whatever_else_runs(trained, speculation):  # noqa: F811
     t = trained("eagle")
     dec = graphs.load(t.out_dir, provider="cpu", threads=1)
     params = {"max_new_tokens": 24, "temperature": 0.8, "seed": 11, "speculation": speculation}
     alone = drive(dec.engine(EngineConfig(max_batch=4, prefill_chunk=4)),
                   [{"arrive": 0, "prompt": PROMPTS[5], "params": params}])[0]["tokens"]
-    sched = random_schedule(3, "eagle", "auto", n=10) + [{"arrive": 4, "prompt": PROMPTS[5], "params": params}]
+    sched = [*random_schedule(3, "eagle", "auto", n=10), {"arrive": 4, "prompt": PROMPTS[5], "params": params}]
     crowd = drive(dec.engine(EngineConfig(max_batch=4, prefill_chunk=4)), sched)[len(sched) - 1]["tokens"]
     assert crowd == alone and len(alone) == 24
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_sampled_requests_keep_the_base_distribution_under_traffic(setup, kind):
+def test_sampled_requests_keep_the_base_distribution_under_traffic(setup, kind):  # noqa: F811
     """Requests of PROMPT at temperature 1 arrive in waves among greedy requests, some of which are
     cancelled; the joint of their first three tokens is the base's (chi-square, as test_spec_sampling)."""
     decoders, base = setup
@@ -159,7 +159,7 @@ def test_sampled_requests_keep_the_base_distribution_under_traffic(setup, kind):
     assert p > P_MIN
 
 
-def test_memory_stays_flat_over_hundreds_of_requests(trained):
+def test_memory_stays_flat_over_hundreds_of_requests(trained):  # noqa: F811
     t = trained("eagle")
     dec = graphs.load(t.out_dir, provider="cpu", threads=1)
     engine = dec.engine(EngineConfig(max_batch=6, prefill_chunk=8, max_len=64))
@@ -192,7 +192,7 @@ def test_memory_stays_flat_over_hundreds_of_requests(trained):
     assert after - before < 2 * 2**20, f"Python memory grew by {(after - before) / 2**20:.1f} MiB over 240 requests"
 
 
-def test_a_long_prefill_does_not_stall_the_others(trained):
+def test_a_long_prefill_does_not_stall_the_others(trained):  # noqa: F811
     t = trained("medusa")
     dec = graphs.load(t.out_dir, provider="cpu", threads=1)
     engine = dec.engine(EngineConfig(max_batch=4, prefill_chunk=8, step_tokens=16, max_len=128))
@@ -209,7 +209,7 @@ def test_a_long_prefill_does_not_stall_the_others(trained):
     assert steps >= 80 // 16  # the long prompt's prefill took several steps (chunks within the budget)
 
 
-def test_remove_request_frees_the_row_at_once(trained):
+def test_remove_request_frees_the_row_at_once(trained):  # noqa: F811
     t = trained("eagle")
     dec = graphs.load(t.out_dir, provider="cpu", threads=1)
     engine = dec.engine(EngineConfig(max_batch=2))
@@ -226,7 +226,7 @@ def test_remove_request_frees_the_row_at_once(trained):
         engine.step()
 
 
-def test_deadline_and_admission_limits(trained):
+def test_deadline_and_admission_limits(trained):  # noqa: F811
     t = trained("medusa")
     dec = graphs.load(t.out_dir, provider="cpu", threads=1)
     engine = dec.engine(EngineConfig(max_batch=1, max_waiting=1, max_len=32))
@@ -249,7 +249,7 @@ def test_deadline_and_admission_limits(trained):
         base.engine(EngineConfig(max_len=10**9))
 
 
-def test_requests_from_other_threads(trained):
+def test_requests_from_other_threads(trained):  # noqa: F811
     """One thread drives step(); four others add and cancel requests: every request ends, greedy
     ones with the base's tokens."""
     t = trained("medusa")
