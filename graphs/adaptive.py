@@ -193,21 +193,24 @@ class Costs:
             self.host_plain = new
 
     @staticmethod
-    def _estimate(table: dict, x: float) -> float:
+    def _estimate(table: dict, x):
         """Measured, else linear between measured points; past the largest, proportional to it (a
-        larger call is compute-bound: pessimistic until measured); below the smallest, the smallest."""
+        larger call is compute-bound: pessimistic until measured); below the smallest, the smallest.
+        ``x``: a number or an array of them."""
         if not table:
-            return np.nan
-        xs = sorted(table)
-        ys = [table[k] for k in xs]
-        if x > xs[-1]:
-            return ys[-1] * x / xs[-1]
-        return float(np.interp(x, xs, ys))
+            return np.full(np.shape(x), np.nan) if np.ndim(x) else np.nan
+        xs = np.fromiter(table, dtype=np.float64, count=len(table))
+        order = np.argsort(xs)
+        xs = xs[order]
+        ys = np.fromiter(table.values(), dtype=np.float64, count=len(table))[order]
+        x = np.asarray(x, dtype=np.float64)
+        out = np.where(x > xs[-1], ys[-1] * x / xs[-1], np.interp(x, xs, ys))
+        return float(out) if out.ndim == 0 else out
 
-    def verify_cost(self, tokens: int) -> float:
+    def verify_cost(self, tokens):
         return self._estimate(self.verify, tokens)
 
-    def draft_cost(self, rows: int) -> float:
+    def draft_cost(self, rows):
         return self._estimate(self.draft, rows)
 
     def copy(self) -> Costs:
@@ -306,7 +309,10 @@ class Planner:
             else:
                 tok += g[np.minimum(widths, full[b]) - 1]
         tok += (modes == SPEC_OFF).sum()
-        rates = np.array([self.rate(int(w), rows, t) for w, t in zip(widths, tok)])
+        host = 0.0 if np.isnan(c.host_spec) else c.host_spec
+        rates = tok / (c.verify_cost(rows * widths) + c.draft_cost(rows) + host)
+        if widths[0] == 1:  # a plain step has no drafter call and the plain host time
+            rates[0] = self.rate(1, rows, float(tok[0]))
         best = int(widths[int(np.argmax(rates))])
         if w_min > 1:
             return best

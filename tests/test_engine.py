@@ -293,3 +293,30 @@ def test_requests_from_other_threads(trained):  # noqa: F811
         want = t.refs[p][:10]
         got = done.get(rid, [])
         assert got == want if finish[rid] != "cancelled" else got == want[: len(got)]
+
+
+def test_generate_from_several_threads_is_reproducible(trained):  # noqa: F811
+    """A seeded sampling run gives the same tokens whether run alone or beside others on the same
+    decoder from other threads (each run has its own engine; nothing about a run is on the decoder)."""
+    t = trained("medusa")
+    dec = graphs.load(t.out_dir, provider="cpu", threads=1)
+    want = dec.generate(PROMPTS[4], max_new_tokens=20, temperature=0.9, seed=3).token_ids
+    got: list = [None] * 6
+
+    def run(k):
+        got[k] = dec.generate(PROMPTS[4], max_new_tokens=20, temperature=0.9, seed=3).token_ids
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert got == [want] * 6
+
+
+def test_a_2d_array_of_prompts_is_a_batch(trained):  # noqa: F811
+    t = trained("medusa")
+    arr = np.array([PROMPTS[1][:2], PROMPTS[2][:2]])
+    results = t.decoder.generate(arr, max_new_tokens=5)
+    assert isinstance(results, list) and len(results) == 2
+    assert [r.token_ids for r in results] == [t.decoder.generate(list(p), max_new_tokens=5).token_ids for p in arr]
