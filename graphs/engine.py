@@ -25,10 +25,12 @@ Per-request state lives in the :class:`Request`: tokens, K/V row, drafter state,
 seed), parameters, speculation switch, gains and statistics. What the engine shares between requests
 is what the machine measured (the costs of its calls and the mean gains per setting).
 
-Threads: one thread drives :meth:`Engine.step`. :meth:`add_request`, :meth:`remove_request` and
-:meth:`has_pending_requests` may be called from any thread (they take the engine's lock, held by a
-step while it runs: a removal lands within one step). Sessions are shared by every engine of a
-decoder (ONNX Runtime sessions may be run from several threads).
+Threads: one thread drives :meth:`Engine.step`. :meth:`add_request`, :meth:`remove_request`,
+:meth:`has_pending_requests` and :meth:`request` may be called from any thread and never wait for a
+running step (a short lock guards the incoming queue): an added request joins at the next step; a
+removed one has its row freed at once, or, while a step runs, by that step before it returns.
+Sessions are shared by every engine of a decoder (ONNX Runtime sessions may be run from several
+threads).
 
 Memory: the base's K/V (and the EAGLE drafter's) is one row per request slot of at most ``max_len``
 positions (plus one tree), allocated as rows fill up and never past that budget
@@ -156,8 +158,11 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._by_id: dict[int, Request] = {}
         self._removed: list[RequestEvent] = []  # finish events of requests removed between steps
+        self._incoming: deque[Request] = deque()  # added since the last step (any thread)
+        self._cancels: list[int] = []  # removed while a step ran: applied before it returns
         self._ids = itertools.count()
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # held by a step (and by changes to the rows)
+        self._in_lock = threading.Lock()  # the incoming queue, cancels and the id table: never held long
         self._stepping = False
 
     # ------------------------------------------------------------------ requests
@@ -184,41 +189,60 @@ class Engine:
             if not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
                 raise InputError(f"deadline_s must be a number > 0, got {deadline_s!r}")
             req.deadline = time.perf_counter() + float(deadline_s)
-        with self._lock:
-            if self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
-                raise CapacityError(f"{len(self._waiting)} requests already wait for a row (max_waiting "
+        with self._in_lock:
+            waiting = len(self._waiting) + len(self._incoming)
+            if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
+                raise CapacityError(f"{waiting} requests already wait for a row (max_waiting "
                                     f"{self.config.max_waiting}); retry later")
             req.id = next(self._ids)
             req.t_added = time.perf_counter()
-            self._waiting.append(req)
+            self._incoming.append(req)
             self._by_id[req.id] = req
         return req.id
 
     def remove_request(self, request_id: int) -> bool:
-        """Cancel a request (any thread); its row is freed before this returns (a running step
-        finishes first). False if it is unknown or already finished."""
-        with self._lock:
+        """Cancel a request (any thread, never blocking on a running step): its row is freed now, or
+        by the running step before it returns. False if it is unknown or already finished."""
+        with self._in_lock:
             req = self._by_id.get(request_id)
             if req is None or req.done:
                 return False
-            self._finish(req, "cancelled")
-            self._removed.append(self._event(req, []))
-            self._retire()
-            return True
+            if not self._lock.acquire(blocking=False):  # a step is running: it frees the row
+                self._cancels.append(request_id)
+                return True
+        try:
+            self._cancel(request_id)
+        finally:
+            self._lock.release()
+        return True
+
+    def _cancel(self, request_id: int) -> None:
+        """Finish a request as cancelled and free its row (under the step lock)."""
+        with self._in_lock:
+            req = self._by_id.get(request_id)
+            if req is None or req.done:
+                return
+            with contextlib.suppress(ValueError):
+                self._incoming.remove(req)
+        self._finish(req, "cancelled")
+        self._removed.append(self._event(req, []))
+        self._retire()
 
     def has_pending_requests(self) -> bool:
-        with self._lock:
-            return bool(self._rows or self._waiting or self._removed)
+        """Whether a step has anything to do (any thread)."""
+        with self._in_lock:
+            return bool(self._rows or self._waiting or self._removed or self._incoming or self._cancels)
 
     def request(self, request_id: int) -> Request | None:
         """A live request (its stats, tokens so far); None once finished."""
-        return self._by_id.get(request_id)
+        with self._in_lock:
+            return self._by_id.get(request_id)
 
     def memory(self) -> dict:
         """K/V memory: what the budget can ever take and what is allocated now (bytes)."""
         return {"slots": self.config.max_batch, "max_len": self.max_len, "kv_budget_bytes": self.kv.budget_bytes,
                 "kv_allocated_bytes": self.kv.allocated_bytes, "rows_used": self.kv.n,
-                "waiting": len(self._waiting), **self.proposer.memory()}
+                "waiting": len(self._waiting) + len(self._incoming), **self.proposer.memory()}
 
     # ------------------------------------------------------------------ the loop
 
@@ -229,6 +253,7 @@ class Engine:
                 raise RuntimeError("Engine.step is not reentrant: drive it from one thread")
             self._stepping = True
             try:
+                self._take_commands()
                 events, self._removed = self._removed, []
                 self._expire(events)
                 if any(r.state == DECODING for r in self._rows):
@@ -237,9 +262,20 @@ class Engine:
                 self._admit()
                 events += self._prefill()
                 self._retire()
+                self._take_commands()  # removals that came during the step land before it returns
+                events += self._removed
+                self._removed = []
                 return events
             finally:
                 self._stepping = False
+
+    def _take_commands(self) -> None:
+        with self._in_lock:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+            cancels, self._cancels = self._cancels, []
+        for rid in cancels:
+            self._cancel(rid)
 
     def _expire(self, events: list) -> None:
         now = time.perf_counter()
@@ -474,7 +510,8 @@ class Engine:
             with contextlib.suppress(ValueError):
                 self._waiting.remove(req)
         req.state = DONE
-        self._by_id.pop(req.id, None)
+        with self._in_lock:
+            self._by_id.pop(req.id, None)
 
     def _retire(self) -> None:
         """Free the rows of finished requests (the last row moves into each freed one)."""
