@@ -13,6 +13,7 @@ from graphs.adaptive import (
     SPEC_OFF,
     SPEC_ON,
     AdaptiveConfig,
+    Costs,
     Planner,
     RowGains,
     counterfactual_gain,
@@ -138,3 +139,58 @@ def test_on_and_off_rows_keep_their_setting():
     sizes = p.plan(modes, full, [g, None, None, g])
     assert sizes.tolist()[:3] == [3, 1, 0] and 1 < sizes[3] <= 8
     assert p.plan(np.array([SPEC_ADAPTIVE]), np.array([8]), [np.ones(8)]).tolist() == [1]  # nothing gained
+
+
+def _priced(verify: dict, draft: float = 0.0, rows: int = 1, host_plain: float = 0.0, host_spec: float = 0.0,
+            cfg: AdaptiveConfig | None = None) -> Planner:
+    p = Planner(cfg or AdaptiveConfig(probe_every=64, max_probe_every=64))
+    for tokens, t in verify.items():
+        p.costs.add_verify(tokens, t)
+    p.costs.add_draft(rows, draft)
+    p.costs.add_host(False, host_plain)
+    p.costs.add_host(True, host_spec)
+    return p
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("eps", "want"), [(-1e-3, 3), (1e-3, 4)])
+def test_the_best_width_wins_at_its_boundary(rows, eps, want):
+    """Widths 3 and 4 priced to tie, then one nudged past the other: the planner picks the better one,
+    for one row and for a batch (the cost is by token rows: rows x width)."""
+    gains = np.array([1.0, 2.0, 3.0, 4.0])  # every node accepted: tokens = width
+    # rate(3) = 3 / c3, rate(4) = 4 / c4: tie at c4 = 4/3 c3; c3 = 1 + eps tips it
+    p = _priced({rows: 1.0, 3 * rows: 1.0 + eps, 4 * rows: 4 / 3}, rows=rows)
+    sizes = p.plan(np.full(rows, SPEC_ADAPTIVE), np.full(rows, 4), [gains] * rows)
+    assert sizes.tolist() == [want] * rows
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_margin_boundary_for_a_batch(rows):
+    margin = 1.05
+    for gain, spec in ((2 * margin * 1.001, True), (2 * margin * 0.999, False)):
+        p = _priced({rows: 1.0, 2 * rows: 2.0}, rows=rows, cfg=AdaptiveConfig(margin=margin, probe_every=64,
+                                                                               max_probe_every=64))
+        sizes = p.plan(np.full(rows, SPEC_ADAPTIVE), np.full(rows, 2), [np.array([1.0, gain])] * rows)
+        assert bool(sizes.max() == 2) is spec and len(set(sizes.tolist())) == 1
+
+
+@pytest.mark.parametrize("wait", [2, 5])
+def test_a_probe_comes_right_after_the_wait(wait):
+    """plain_run counts plain decisions; at plain_run == wait the step is still plain, the next probes."""
+    p = _priced({1: 1.0, 3: 3.0}, draft=1.0, cfg=AdaptiveConfig(probe_every=wait, max_probe_every=64))
+    modes, full, g = np.array([SPEC_ADAPTIVE]), np.array([3]), [np.array([1.0, 1.0, 1.0])]
+    widths = [int(p.plan(modes, full, g)[0]) for _ in range(wait + 1)]
+    assert widths == [1] * wait + [3] and p.probing
+    assert int(p.plan(modes, full, g)[0]) == 1 and p.wait == 2 * wait  # the probe lost: wait twice as long
+
+
+def test_verify_cost_estimates_interpolate_and_extrapolate():
+    c = Costs()
+    c.add_verify(2, 1.0)
+    c.add_verify(10, 3.0)
+    assert c.verify_cost(6) == pytest.approx(2.0)  # linear between measured points
+    assert c.verify_cost(20) == pytest.approx(6.0)  # past the largest: proportional (compute-bound)
+    assert c.verify_cost(1) == pytest.approx(1.0)  # below the smallest: the smallest
+    assert np.allclose(c.verify_cost(np.array([2, 6, 20])), [1.0, 2.0, 6.0])
+    c.add_verify(2, 2.0)  # an average, weighted ema to the newest
+    assert c.verify[2] == pytest.approx(0.85 * 1.0 + 0.15 * 2.0)
