@@ -58,6 +58,7 @@ from graphs.results import RequestEvent, Sampler, Stats
 from graphs.slots import SlotCache
 
 WAITING, PREFILL, DECODING, DONE = "waiting", "prefill", "decoding", "done"
+_MODES = {"off": SPEC_OFF, "on": SPEC_ON, "adaptive": SPEC_ADAPTIVE}
 
 
 @dataclass
@@ -367,11 +368,14 @@ class Engine:
         rows = self._rows
         n = len(rows)
         live = [r if r.state == DECODING else None for r in rows]
-        modes = np.array([IDLE if r is None else {"off": SPEC_OFF, "on": SPEC_ON, "adaptive": SPEC_ADAPTIVE}[
-            r.speculation] for r in live])
-        full = np.array([1 if r is None else r.tree_size for r in live], dtype=np.int64)
-        gains = [None if r is None or r.gains is None else r.gains.predicted() for r in live]
-        sizes = self.planner.plan(modes, full, gains)
+        adaptive = any(r is not None and r.speculation == "adaptive" for r in live)
+        if any(r is not None and r.speculation != "off" for r in live):
+            modes = np.array([IDLE if r is None else _MODES[r.speculation] for r in live])
+            full = np.array([1 if r is None else r.tree_size for r in live], dtype=np.int64)
+            gains = [None if r is None or r.gains is None else r.gains.predicted() for r in live]
+            sizes = self.planner.plan(modes, full, gains)
+        else:  # nobody may speculate: nothing to decide
+            sizes = np.array([0 if r is None else 1 for r in live], dtype=np.int64)
         drafted = bool((sizes > 1).any())
         if drafted:
             proposals, t_draft, calls = self.proposer.propose(live, sizes)
@@ -379,12 +383,17 @@ class Engine:
             proposals, t_draft, calls = self.plain.propose(live, sizes)
         # verify: every occupied row, its tree padded to the batch's width
         width = max(len(cand) for _, cand in proposals)
-        ids = np.full((n, width), self.dec.pad, dtype=np.int64)
-        depth = np.zeros((n, width), dtype=np.int64)
-        tmask = np.broadcast_to(np.eye(width, dtype=bool), (n, width, width)).copy()
-        for b, (tree, cand) in enumerate(proposals):
-            k = len(cand)
-            ids[b, :k], depth[b, :k], tmask[b, :k, :k] = cand, tree.depth, tree.mask
+        if width == 1:  # a plain step: every row verifies its root (the autoregressive step)
+            ids = np.array([[cand[0]] for _, cand in proposals], dtype=np.int64)  # (n, 1)
+            depth = np.zeros((n, 1), dtype=np.int64)
+            tmask = np.ones((n, 1, 1), dtype=bool)
+        else:
+            ids = np.full((n, width), self.dec.pad, dtype=np.int64)
+            depth = np.zeros((n, width), dtype=np.int64)
+            tmask = np.broadcast_to(np.eye(width, dtype=bool), (n, width, width)).copy()
+            for b, (tree, cand) in enumerate(proposals):
+                k = len(cand)
+                ids[b, :k], depth[b, :k], tmask[b, :k, :k] = cand, tree.depth, tree.mask
         pos = self.kv.lens[:n, None] + depth
         t0 = time.perf_counter()
         out = self.dec.base_forward(self.kv, ids, pos, tmask)
@@ -438,7 +447,7 @@ class Engine:
                         s_.accepted_per_pos += [0] * (len(a) - 1 - len(s_.accepted_per_pos))
                     for k in range(len(a) - 1):
                         s_.accepted_per_pos[k] += 1
-                if req.gains is not None:
+                if req.gains is not None and adaptive:  # (gains only matter where a width is chosen)
                     self.planner.learn(req.prior_key, req.gains.observe(tree, a))
             else:
                 st.plain_steps += 1

@@ -138,13 +138,24 @@ class SlotCache:
         counts = np.asarray(counts, dtype=np.int64)
         bsz, a = idx.shape
         rows = first + np.arange(bsz)
-        need = int((self.lens[rows] + counts).max(initial=0))
+        lens = self.lens[rows]
+        need = int((lens + counts).max(initial=0))
         self.reserve(need + self.temp)
+        if bsz == 1:  # one row: slices, no fancy indexing
+            c, w = int(counts[0]), int(lens[0])
+            if c:
+                nodes = idx[0, :c]
+                sel = slice(int(nodes[0]), int(nodes[0]) + c) if np.all(np.diff(nodes) == 1) else nodes
+                for i in range(self.num_layers):
+                    self.keys[i][first, :, w : w + c] = presents[2 * i][0][:, sel]  # (kv, c, hd)
+                    self.values[i][first, :, w : w + c] = presents[2 * i + 1][0][:, sel]
+            self.lens[first] += c
+            return
         keep = np.arange(a)[None, :] < counts[:, None]  # (B, A)
         b_loc, j = np.nonzero(keep)  # flattened (row, k-th kept)
         if b_loc.size:
             dst_rows = rows[b_loc]
-            cols = self.lens[dst_rows] + j
+            cols = lens[b_loc] + j
             nodes = idx[b_loc, j]
             for i in range(self.num_layers):
                 # advanced indices on axes 0 and 2 (a slice between): both sides are (N, kv, hd)
