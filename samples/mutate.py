@@ -1,7 +1,7 @@
 """A small mutation tester: does the suite see a decision change, not only an output change?
 
     python samples/mutate.py graphs/adaptive.py -- python -m pytest -q -x -p no:cacheprovider tests/test_adaptive.py
-    python samples/mutate.py graphs/adaptive.py --functions Planner._width Costs._estimate --json runs/mutants.json -- ...
+    python samples/mutate.py graphs/adaptive.py --functions Planner._width --json runs/mutants.json -- ...
 
 Each mutant changes one spot of the module's source (the kinds below), the module is rewritten in
 place, the test command runs, and the original is put back (also on Ctrl-C). A mutant is *caught*
