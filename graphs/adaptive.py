@@ -12,10 +12,11 @@ path that lies inside it::
 Per engine, :class:`Planner` keeps what this machine's calls cost (:class:`Costs`): a base forward by
 the number of token rows it computes (batch rows x width: a verify over ``n`` rows padded to width
 ``W`` costs ``verify(n * W)``), drafting by the number of batch rows, and the host's own time per
-step. Before each step it picks one width ``W`` for the batch, the one with the best predicted
+step by the number of batch rows (drafted and plain steps apart: a drafted step's tree handling
+and acceptance walk are per row, and on a small model they are most of a step). Before each step it picks one width ``W`` for the batch, the one with the best predicted
 rate over every live request::
 
-    rate(W) = sum_b gain_b[min(W, T_b)] / (verify(n * W) + [W > 1] (draft(n) + host_spec) + [W = 1] host_plain)
+    rate(W) = sum_b gain_b[min(W, T_b)] / (verify(n * W) + [W > 1] (draft(n) + host_spec(n)) + [W = 1] host_plain(n))
 
 so trees shrink smoothly as load grows (more rows make every extra node of width cost more), down to
 plain steps (``W = 1``, no drafter call), with no threshold anywhere. Requests choose how they take
@@ -36,6 +37,7 @@ measured (:meth:`Planner.prior`); costs are the machine's and carry from one eng
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,16 +103,20 @@ def counterfactual_gain(tree: Tree, accepted: list[int]) -> np.ndarray:
     ``tree.score`` (best first, ties to the lower index); without scores (static trees), node order.
     """
     t = tree.size
-    score = tree.score if tree.score is not None else -np.arange(t, dtype=np.float64)
-    rank = np.empty(t, dtype=np.int64)
-    rank[np.argsort(-score[1:], kind="stable") + 1] = np.arange(1, t)
-    rank[0] = 0
-    gain = np.ones(t)
+    rank = _RANKS.get(tree)
+    if rank is None:
+        score = tree.score if tree.score is not None else -np.arange(t, dtype=np.float64)
+        rank = np.empty(t, dtype=np.int64)
+        rank[np.argsort(-score[1:], kind="stable") + 1] = np.arange(1, t)
+        rank[0] = 0
+        _RANKS[tree] = rank
     r = np.sort(rank[np.asarray(accepted[1:], dtype=np.int64)])  # ranks along the accepted path
-    # accepted path node with rank r counts for every n > r, if all path nodes above it do too
-    ok = r < np.arange(1, t + 1)[:, None]  # (n, path): node kept in the best-n tree
-    gain += np.cumprod(ok, axis=1).sum(axis=1)
-    return gain
+    # scores fall along a path, so the sorted ranks are the path's order: the best-n tree keeps
+    # exactly the path nodes ranked below n, a prefix of the path
+    return 1.0 + np.searchsorted(r, np.arange(1, t + 1), side="left")
+
+
+_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tree -> node ranks (static trees recur)
 
 
 def cut_tree(tree: Tree, n: int) -> np.ndarray:
@@ -171,8 +177,8 @@ class Costs:
         self.ema = ema
         self.verify: dict[int, float] = {}  # token rows (batch x width) -> seconds
         self.draft: dict[int, float] = {}  # batch rows -> seconds of drafting per drafted step
-        self.host_plain = np.nan  # host seconds per plain step (outside graph calls)
-        self.host_spec = np.nan  # host seconds per drafted step
+        self.host_plain: dict[int, float] = {}  # batch rows -> host seconds per plain step (outside graph calls)
+        self.host_spec: dict[int, float] = {}  # batch rows -> host seconds per drafted step
 
     def _avg(self, table: dict, key: int, value: float) -> None:
         old = table.get(key)
@@ -184,13 +190,15 @@ class Costs:
     def add_draft(self, rows: int, seconds: float) -> None:
         self._avg(self.draft, int(rows), float(seconds))
 
-    def add_host(self, drafted: bool, seconds: float) -> None:
-        old = self.host_spec if drafted else self.host_plain
-        new = seconds if np.isnan(old) else (1 - self.ema) * old + self.ema * seconds
-        if drafted:
-            self.host_spec = new
-        else:
-            self.host_plain = new
+    def add_host(self, drafted: bool, seconds: float, rows: int = 1) -> None:
+        """A step's host time: its wall time less its graph calls (tree handling, acceptance, emit:
+        all per row, so it is kept by batch rows like the graph calls)."""
+        self._avg(self.host_spec if drafted else self.host_plain, int(rows), float(seconds))
+
+    def host_cost(self, drafted: bool, rows) -> float:
+        """Estimated host seconds of a step over ``rows`` (0 until measured)."""
+        table = self.host_spec if drafted else self.host_plain
+        return self._estimate(table, rows) if table else 0.0
 
     @staticmethod
     def _estimate(table: dict, x):
@@ -216,7 +224,7 @@ class Costs:
     def copy(self) -> Costs:
         c = Costs(self.ema)
         c.verify, c.draft = dict(self.verify), dict(self.draft)
-        c.host_plain, c.host_spec = self.host_plain, self.host_spec
+        c.host_plain, c.host_spec = dict(self.host_plain), dict(self.host_spec)
         return c
 
 
@@ -269,10 +277,8 @@ class Planner:
     def rate(self, width: int, rows: int, tokens: float) -> float:
         c = self.costs
         if width == 1:
-            host = 0.0 if np.isnan(c.host_plain) else c.host_plain
-            return tokens / (c.verify_cost(rows) + host)
-        host = 0.0 if np.isnan(c.host_spec) else c.host_spec
-        return tokens / (c.verify_cost(rows * width) + c.draft_cost(rows) + host)
+            return tokens / (c.verify_cost(rows) + c.host_cost(False, rows))
+        return tokens / (c.verify_cost(rows * width) + c.draft_cost(rows) + c.host_cost(True, rows))
 
     def plan(self, modes: np.ndarray, full: np.ndarray, gains: list[np.ndarray | None]) -> np.ndarray:
         """(B,) nodes each row verifies next step (0 for an idle row, 1 for a plain one).
@@ -309,8 +315,7 @@ class Planner:
             else:
                 tok += g[np.minimum(widths, full[b]) - 1]
         tok += (modes == SPEC_OFF).sum()
-        host = 0.0 if np.isnan(c.host_spec) else c.host_spec
-        rates = tok / (c.verify_cost(rows * widths) + c.draft_cost(rows) + host)
+        rates = tok / (c.verify_cost(rows * widths) + c.draft_cost(rows) + c.host_cost(True, rows))
         if widths[0] == 1:  # a plain step has no drafter call and the plain host time
             rates[0] = self.rate(1, rows, float(tok[0]))
         best = int(widths[int(np.argmax(rates))])
@@ -334,4 +339,4 @@ class Planner:
         return 1
 
     def _measured_plain(self) -> bool:
-        return not np.isnan(self.costs.host_plain)
+        return bool(self.costs.host_plain)

@@ -459,7 +459,7 @@ class Engine:
             if ev is not None:
                 events.append(ev)
         host = time.perf_counter() - t_start - t_verify - t_draft
-        self.planner.costs.add_host(drafted, host)
+        self.planner.costs.add_host(drafted, host, n)
         return events
 
     # ------------------------------------------------------------------ emit and retire

@@ -66,7 +66,8 @@ def ood_prompts(n: int, seed: int = 0) -> list[str]:
 def run_load(dec, prompts: list[list[int]], mode: str, max_new: int, concurrency: int | None = None,
              rate: float | None = None, batch: int = 16) -> dict:
     """One load: closed loop at ``concurrency`` or Poisson arrivals at ``rate`` req/s. Returns metrics."""
-    engine = dec.engine(EngineConfig(max_batch=batch, prefill_chunk=64, step_tokens=256, max_len=1024))
+    engine = dec.engine(EngineConfig(max_batch=batch, prefill_chunk=64, step_tokens=256,
+                                     max_len=min(1024, dec.max_positions)))
     n = len(prompts)
     arrivals = None
     if rate is not None:
@@ -124,7 +125,7 @@ def bench_export(path: str, args) -> dict:
     sets = {"code": code_prompts(args.requests, 0), "ood": ood_prompts(args.requests, 0)}
     out = {"path": path, "drafter": dec.kind, "sets": {}}
     for name in args.sets:
-        prompts = [dec.encode(p)[:400] for p in sets[name]]
+        prompts = [dec.encode(p)[: min(400, dec.max_positions - args.max_new_tokens - 2)] for p in sets[name]]
         # warm up every mode (sessions, the adaptive policy's measured costs)
         for mode in MODES:
             run_load(dec, prompts[:4], mode, 16, concurrency=2)

@@ -73,7 +73,7 @@ def _run(planner: Planner, t: int, steps: int, gain_of, cost_of, draft: float, r
         w = int(sizes.max())
         widths.append(w)
         planner.costs.add_verify(rows * w, cost_of(rows * w))
-        planner.costs.add_host(w > 1, 0.0)
+        planner.costs.add_host(w > 1, 0.0, rows)
         if w > 1:
             planner.costs.add_draft(rows, draft)
             for g, n in zip(gains, sizes):
@@ -147,8 +147,8 @@ def _priced(verify: dict, draft: float = 0.0, rows: int = 1, host_plain: float =
     for tokens, t in verify.items():
         p.costs.add_verify(tokens, t)
     p.costs.add_draft(rows, draft)
-    p.costs.add_host(False, host_plain)
-    p.costs.add_host(True, host_spec)
+    p.costs.add_host(False, host_plain, rows)
+    p.costs.add_host(True, host_spec, rows)
     return p
 
 
