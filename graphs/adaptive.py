@@ -13,10 +13,12 @@ Per engine, :class:`Planner` keeps what this machine's calls cost (:class:`Costs
 the number of token rows it computes (batch rows x width: a verify over ``n`` rows padded to width
 ``W`` costs ``verify(n * W)``), drafting by the number of batch rows, and the host's own time per
 step by the number of batch rows (drafted and plain steps apart: a drafted step's tree handling
-and acceptance walk are per row, and on a small model they are most of a step). Before each step it picks one width ``W`` for the batch, the one with the best predicted
-rate over every live request::
+and acceptance walk are per row, and on a small model they are most of a step). Before each step
+it picks one width ``W`` for the batch, the one with the best predicted rate over every live
+request::
 
-    rate(W) = sum_b gain_b[min(W, T_b)] / (verify(n * W) + [W > 1] (draft(n) + host_spec(n)) + [W = 1] host_plain(n))
+    rate(W) = sum_b gain_b[min(W, T_b)] / (verify(n * W) + [W > 1] (draft(n) + host_spec(n))
+                                                          + [W = 1] host_plain(n))
 
 so trees shrink smoothly as load grows (more rows make every extra node of width cost more), down to
 plain steps (``W = 1``, no drafter call), with no threshold anywhere. Requests choose how they take
