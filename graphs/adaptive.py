@@ -32,8 +32,8 @@ Trees only change *which* candidates are verified, never the acceptance rule: gr
 base's greedy output, and lossless sampling stays lossless (the tree is chosen before the step's
 random draws).
 
-A new request's gains start from the mean that earlier requests of the same setting (tree, sampling)
-measured (:meth:`Planner.prior`); costs are the machine's and carry from one engine to the next
+A new request's gains start from the mean that finished requests of the same setting (tree,
+sampling) measured (:meth:`Planner.prior`); costs are the machine's and carry from one engine to the next
 (:meth:`Planner.carry`).
 """
 
@@ -152,8 +152,9 @@ class RowGains:
         self.t, self.ema = int(tree_size), ema
         self.gain = np.full(self.t, np.nan)  # (T,) EMA; NaN = never observed
         self.gain[0] = 1.0
-        if prior is not None and prior.shape == (self.t,):
-            self.gain[:] = prior
+        self.observed = 0  # the largest tree size observed (gain[:observed] is this request's own)
+        if prior is not None and prior.shape[0] <= self.t:
+            self.gain[: prior.shape[0]] = prior
 
     def observe(self, tree: Tree, accepted: list[int]) -> np.ndarray:
         """Record a drafted step's verified ``tree`` (cut or full) and its accepted nodes; returns the
@@ -162,6 +163,7 @@ class RowGains:
         n = min(tree.size, self.t)
         row = self.gain[:n]
         self.gain[:n] = np.where(np.isnan(row), g[:n], (1 - self.ema) * row + self.ema * g[:n])
+        self.observed = max(self.observed, n)
         return g[:n]
 
     def predicted(self) -> np.ndarray:
@@ -259,8 +261,8 @@ class Planner:
         return None if got is None else got[0].copy()
 
     def learn(self, key, gains: np.ndarray) -> None:
-        """Fold one observation (a prefix of sizes) into the setting's long-run mean (a plain mean of the
-        first 50 observations, then a slow average)."""
+        """Fold one finished request's gains (a prefix of sizes) into the setting's long-run mean (a
+        plain mean of the first 50 requests, then a slow average)."""
         mean, n = self._priors.get(key, (np.full(gains.shape[0], np.nan), 0))
         if mean.shape[0] < gains.shape[0]:
             mean = np.concatenate([mean, np.full(gains.shape[0] - mean.shape[0], np.nan)])

@@ -448,7 +448,7 @@ class Engine:
                     for k in range(len(a) - 1):
                         s_.accepted_per_pos[k] += 1
                 if req.gains is not None and adaptive:  # (gains only matter where a width is chosen)
-                    self.planner.learn(req.prior_key, req.gains.observe(tree, a))
+                    req.gains.observe(tree, a)
             else:
                 st.plain_steps += 1
             st.accepted.append(len(a))
@@ -512,6 +512,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.done = reason
+        if req.gains is not None and req.gains.observed > 1:  # what it measured seeds the next requests
+            self.planner.learn(req.prior_key, req.gains.gain[: req.gains.observed])
         st = req.stats
         st.new_tokens = len(req.tokens)
         st.time_total = time.perf_counter() - req.t_added
