@@ -189,6 +189,7 @@ def summary(root: Path = REPO) -> str:
 
 
 def test_no_import_cycles():
+    print(summary())  # pytest -s tests/test_layers.py shows the graph
     _, edges, _ = scan()
     found = [c for c in cycles(edges) if frozenset(c) not in KNOWN_CYCLES]
     assert not found, "import cycles (function-local imports count): " + "; ".join(" <-> ".join(c) for c in found)
