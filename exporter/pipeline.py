@@ -330,6 +330,9 @@ def tune_export(out_dir, prompts: list[str] | None = None, provider: str = "cpu"
             writer.commit(manifest)
         finally:
             if view is not None:
+                from graphs.integrity import forget
+
+                forget(view)  # the proof record graphs.load kept for the snapshot
                 shutil.rmtree(view, ignore_errors=True)
             writer.close()
     tuned = report["confirmed"]
