@@ -49,8 +49,8 @@ def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7)
     src = dec.manifest.source
     kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype)
     s = len(prompt)
-    out = dec._run_base(kv, np.array([prompt]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
-    kv.append(dec._presents(out, src["num_layers"]), np.arange(s)[None], np.array([s]))
+    out = dec.base_forward(kv, np.array([prompt]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
+    kv.append(dec.presents(out), np.arange(s)[None], np.array([s]))
     res = {}
     for n in sizes:
         ids = np.full((1, n), int(prompt[-1]))
@@ -59,7 +59,7 @@ def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            dec._run_base(kv, ids, pos, mask)
+            dec.base_forward(kv, ids, pos, mask)
             times.append(time.perf_counter() - t0)
         res[n] = statistics.median(times)
     return res
@@ -81,7 +81,7 @@ def medusa_acceptance(dec, prompts: list[list[int]], new: int, k: int = 8) -> np
         seq = list(p) + list(toks)
         s = len(seq)
         kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype)
-        out = dec._run_base(kv, np.array([seq]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
+        out = dec.base_forward(kv, np.array([seq]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
         (ids,) = dec.draft.run([C.TOPK_IDS], {C.HIDDEN: out[C.HIDDEN], C.TOPK_IN: np.array([k])})  # (1, S, h, K)
         for t in range(len(p) - 1, s):
             for h in range(heads):
@@ -98,27 +98,17 @@ def eagle_gains(dec, prompts: list[list[int]], new: int, topk: int, depth: int) 
     node verified), the step-wise draft seconds per step and the host seconds per step."""
     t_full = min(max_eagle_nodes(topk, depth), MAX_TREE)
     gains, steps, draft, host = [], 0, 0.0, 0.0
-    original = dec._verify_and_accept
-
-    def spy(kv, seqs, sampler, stats, trees, tokens, pos, *a, **kw):
-        res = original(kv, seqs, sampler, stats, trees, tokens, pos, *a, **kw)
-        for b, tree in enumerate(trees):
-            if not seqs[b].done:
-                g = np.full(t_full, np.nan)
-                g[: tree.size] = counterfactual_gain(tree, res[1][b])
-                g[tree.size:] = g[tree.size - 1]
-                gains.append(g)
-        return res
-
-    dec._verify_and_accept = spy
-    try:
+    with dec.watch_verify() as records:
         for p in prompts:
             r = dec.generate(p, max_new_tokens=new, tree={"topk": topk, "depth": depth, "total_tokens": t_full})
             steps += r.stats.steps
             draft += r.stats.time_draft
             host += r.stats.time_host
-    finally:
-        del dec._verify_and_accept
+    for rec in records:
+        g = np.full(t_full, np.nan)
+        g[: rec.tree.size] = counterfactual_gain(rec.tree, rec.accepted)
+        g[rec.tree.size:] = g[rec.tree.size - 1]
+        gains.append(g)
     return np.mean(gains, axis=0), draft / max(steps, 1), host / max(steps, 1)
 
 

@@ -1,59 +1,57 @@
-"""Adaptive speculation: never slower than plain decoding.
+"""Adaptive speculation: what each step verifies, decided for the whole batch from measured costs.
 
-Per sequence, the policy keeps what speculation has been buying: ``gain[b, n]``, the tokens a step
-would have emitted had its tree been cut to its ``n`` best nodes by draft score. One full-tree step
-tells this for every ``n`` at once: the best-``n`` set is ancestor-closed (scores only fall along a
-path), and a greedy walk through a sub-tree accepts exactly the prefix of the full tree's accepted
+Per request, :class:`RowGains` keeps what speculation has been buying it: ``gain[n - 1]``, the tokens a
+step would have emitted had its tree been cut to its ``n`` best nodes by draft score. One full-tree
+step tells this for every ``n`` at once: the best-``n`` set is ancestor-closed (scores only fall along
+a path), and a greedy walk through a sub-tree accepts exactly the prefix of the full tree's accepted
 path that lies inside it::
 
     tree scores (node: score)  0: root, 1: -.1, 2: -.9, 3: -.3 (child of 1)     ranks 1, 3, 2
     accepted path [0, 1, 3]  ->  gain(1) = 1, gain(2) = 2, gain(3) = 3, gain(4) = 3
 
-and what steps cost: ``verify[n]`` seconds for a base forward over ``n`` positions (measured at the
-widths used, linear in between), ``draft`` seconds per step's drafting, and the host's seconds per
-step around the graph calls (``host_plain``, ``host_spec``: the wall time from one plan to the next
-less the graph calls; a drafted step's tree handling and acceptance walk are not free on a CPU).
-Before each step every sequence picks the size with the best predicted rate::
+Per engine, :class:`Planner` keeps what this machine's calls cost (:class:`Costs`): a base forward by
+the number of token rows it computes (batch rows x width: a verify over ``n`` rows padded to width
+``W`` costs ``verify(n * W)``), drafting by the number of batch rows, and the host's own time per
+step. Before each step it picks one width ``W`` for the batch, the one with the best predicted
+rate over every live request::
 
-    n = 1            1 / (verify[1] + host_plain)                       (a plain step: no drafter call)
-    n >= 2           gain[b, n] / (verify[n] + draft + host_spec)
+    rate(W) = sum_b gain_b[min(W, T_b)] / (verify(n * W) + [W > 1] (draft(n) + host_spec) + [W = 1] host_plain)
 
-What one run measured seeds the next one of the same decoder, tree and sampling settings
-(:meth:`AdaptivePolicy.carry`): the costs, the waits between probes, and the batch's mean gain as
-every sequence's starting gain. Without it each short run would pay the policy's lessons again
-(a full tree first, a plain step to price it, probes after 4, 8, 16, ... plain steps).
+so trees shrink smoothly as load grows (more rows make every extra node of width cost more), down to
+plain steps (``W = 1``, no drafter call), with no threshold anywhere. Requests choose how they take
+part (``SPEC_OFF``: always one token; ``SPEC_ON``: always the full tree, so ``W`` is at least its size;
+``SPEC_ADAPTIVE``: ``min(W, T_b)``). A wider ``W`` is taken only if its rate beats a plain step's by
+``margin``. While the batch steps plain, a full tree is tried again every ``probe_every`` plain steps
+(doubling, up to ``max_probe_every``, while probes keep losing; halved when one wins; reset while
+drafted steps keep paying), so text that becomes predictable again gets its trees back.
 
-If every sequence picks 1 the step skips the drafter; the drafter's context rows wait for the next
-drafted step. While speculation is off, a full tree is tried again every ``probe_every`` plain steps
-(doubling, up to ``max_probe_every``, while it keeps losing; halved when a probe wins, reset while
-drafted steps keep paying), so a sequence whose text becomes predictable again gets its trees back.
-Between probes an all-plain decision is reused for ``recheck_every`` steps (only the costs drift
-then), so a plain step costs the host about what an autoregressive one does. Likewise, when every
-sequence's full tree beats a plain step by ``fast_margin`` or more, that decision is reused for
-``recheck_every`` drafted steps, which update only the costs; then a step is decided and observed
-in full again: where speculation clearly pays, the policy costs the host little more than a fixed tree
-(measured on the 0.9M demo, where a step is 0.5 ms: 0.18 ms of policy per step before this). Trees
-only change *which* candidates are
-verified, never the acceptance rule: greedy output stays the base's greedy output, and lossless
-sampling stays lossless (the tree is chosen before the step's random draws).
+Trees only change *which* candidates are verified, never the acceptance rule: greedy output stays the
+base's greedy output, and lossless sampling stays lossless (the tree is chosen before the step's
+random draws).
+
+A new request's gains start from the mean that earlier requests of the same setting (tree, sampling)
+measured (:meth:`Planner.prior`); costs are the machine's and carry from one engine to the next
+(:meth:`Planner.carry`).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from graphs.trees import _HEAD_DECAY, _RANK_DECAY, _TOP1, Tree
+from graphs.trees import HEAD_DECAY, RANK_DECAY, TOP1, Tree
 
 _ROOT_ONLY = Tree.from_parents([-1])
+
+# how a row takes part in a step (Planner.plan)
+IDLE, SPEC_OFF, SPEC_ON, SPEC_ADAPTIVE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
     ema: float = 0.15
-    """Weight of the newest observation in the running averages (gain and costs). Slow enough that
+    """Weight of the newest observation in the running averages (gains and costs). Slow enough that
     a few hard tokens in predictable text do not switch speculation off (measured at temperature 0
     on the 19M model: 0.3 went plain in a quarter of the steps and lost 4% to never switching)."""
     margin: float = 1.05
@@ -63,16 +61,9 @@ class AdaptiveConfig:
     """Plain steps before a full tree is tried again (the first wait)."""
     max_probe_every: int = 64
     """The longest wait between probes while speculation keeps losing."""
-    recheck_every: int = 8
-    """While plain, decide again after this many plain steps (costs drift; gains only change on probes);
-    while the full tree clearly pays (``fast_margin``), after this many drafted steps."""
-    fast_margin: float = 1.25
-    """A full tree predicted at least this many times a plain step's tokens/s, for every sequence, is
-    kept for ``recheck_every`` drafted steps without deciding or observing gains in between."""
 
     def __post_init__(self):
-        if (not 0 < self.ema <= 1 or self.margin <= 0 or not 1 <= self.probe_every <= self.max_probe_every
-                or self.recheck_every < 1):
+        if not 0 < self.ema <= 1 or self.margin <= 0 or not 1 <= self.probe_every <= self.max_probe_every:
             raise ValueError(f"AdaptiveConfig: bad values {self}")
 
 
@@ -92,7 +83,7 @@ def static_scores(tree: Tree) -> np.ndarray:
     score = np.zeros(tree.size)
     for n in range(1, tree.size):  # parents come first (topological order)
         h, r = int(tree.head[n]), int(tree.rank[n])
-        score[n] = score[tree.parents[n]] + np.log(_TOP1 * _HEAD_DECAY**h * _RANK_DECAY**r)
+        score[n] = score[tree.parents[n]] + np.log(TOP1 * HEAD_DECAY**h * RANK_DECAY**r)
     return score
 
 
@@ -141,197 +132,206 @@ def sub_tree(tree: Tree, keep: np.ndarray) -> Tree:
                 score=None if tree.score is None else tree.score[keep])
 
 
-class AdaptivePolicy:
-    """Picks each sequence's tree size per step from measured gains and costs (see the module doc)."""
+def root_only() -> Tree:
+    """The one-node tree of a plain step."""
+    return _ROOT_ONLY
 
-    def __init__(self, batch: int, tree_size: int, cfg: AdaptiveConfig | None = None):
+
+class RowGains:
+    """One request's gains by tree size (see the module doc); ``gain[0]`` is 1 (a plain step)."""
+
+    def __init__(self, tree_size: int, prior: np.ndarray | None = None, ema: float = 0.15):
+        self.t, self.ema = int(tree_size), ema
+        self.gain = np.full(self.t, np.nan)  # (T,) EMA; NaN = never observed
+        self.gain[0] = 1.0
+        if prior is not None and prior.shape == (self.t,):
+            self.gain[:] = prior
+
+    def observe(self, tree: Tree, accepted: list[int]) -> np.ndarray:
+        """Record a drafted step's verified ``tree`` (cut or full) and its accepted nodes; returns the
+        counterfactual gains (tree.size,) it measured."""
+        g = counterfactual_gain(tree, accepted)
+        n = min(tree.size, self.t)
+        row = self.gain[:n]
+        self.gain[:n] = np.where(np.isnan(row), g[:n], (1 - self.ema) * row + self.ema * g[:n])
+        return g[:n]
+
+    def predicted(self) -> np.ndarray:
+        """(T,) gains with the never-observed sizes assumed fully accepted (optimistic: they get tried)."""
+        g = self.gain.copy()
+        unknown = np.isnan(g)
+        g[unknown] = np.arange(1, self.t + 1)[unknown]
+        return np.maximum.accumulate(g)  # a larger tree never emits fewer tokens
+
+
+class Costs:
+    """Seconds per call on this machine: base forwards by token rows, drafting by batch rows, host."""
+
+    def __init__(self, ema: float = 0.15):
+        self.ema = ema
+        self.verify: dict[int, float] = {}  # token rows (batch x width) -> seconds
+        self.draft: dict[int, float] = {}  # batch rows -> seconds of drafting per drafted step
+        self.host_plain = np.nan  # host seconds per plain step (outside graph calls)
+        self.host_spec = np.nan  # host seconds per drafted step
+
+    def _avg(self, table: dict, key: int, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else (1 - self.ema) * old + self.ema * value
+
+    def add_verify(self, tokens: int, seconds: float) -> None:
+        self._avg(self.verify, int(tokens), float(seconds))
+
+    def add_draft(self, rows: int, seconds: float) -> None:
+        self._avg(self.draft, int(rows), float(seconds))
+
+    def add_host(self, drafted: bool, seconds: float) -> None:
+        old = self.host_spec if drafted else self.host_plain
+        new = seconds if np.isnan(old) else (1 - self.ema) * old + self.ema * seconds
+        if drafted:
+            self.host_spec = new
+        else:
+            self.host_plain = new
+
+    @staticmethod
+    def _estimate(table: dict, x):
+        """Measured, else linear between measured points; past the largest, proportional to it (a
+        larger call is compute-bound: pessimistic until measured); below the smallest, the smallest.
+        ``x``: a number or an array of them."""
+        if not table:
+            return np.full(np.shape(x), np.nan) if np.ndim(x) else np.nan
+        xs = np.fromiter(table, dtype=np.float64, count=len(table))
+        order = np.argsort(xs)
+        xs = xs[order]
+        ys = np.fromiter(table.values(), dtype=np.float64, count=len(table))[order]
+        x = np.asarray(x, dtype=np.float64)
+        out = np.where(x > xs[-1], ys[-1] * x / xs[-1], np.interp(x, xs, ys))
+        return float(out) if out.ndim == 0 else out
+
+    def verify_cost(self, tokens):
+        return self._estimate(self.verify, tokens)
+
+    def draft_cost(self, rows):
+        return self._estimate(self.draft, rows)
+
+    def copy(self) -> Costs:
+        c = Costs(self.ema)
+        c.verify, c.draft = dict(self.verify), dict(self.draft)
+        c.host_plain, c.host_spec = self.host_plain, self.host_spec
+        return c
+
+
+class Planner:
+    """Picks each step's width for the whole batch (module doc). One per engine, used by its thread."""
+
+    def __init__(self, cfg: AdaptiveConfig | None = None, costs: Costs | None = None, priors: dict | None = None):
         self.cfg = cfg or AdaptiveConfig()
-        self.t = int(tree_size)
-        self.gain = np.full((batch, self.t), np.nan)  # (B, T) EMA; NaN = never observed
-        self.long_gain = np.full(self.t, np.nan)  # (T,) slow mean over every observation (carried)
-        self.long_n = 0  # observations in it
-        self.verify = np.full(self.t + 1, np.nan)  # seconds per base forward over n positions, [n]
-        self.draft = np.nan  # seconds of drafting per drafted step
-        self.host_plain = np.nan  # host seconds per plain step, around the graph calls
-        self.host_spec = np.nan  # host seconds per drafted step, around the graph calls
-        self.plain_run = 0  # plain steps since the last drafted one
+        self.costs = costs if costs is not None else Costs(self.cfg.ema)
+        self.plain_run = 0  # plain steps in a row while adaptive rows were live
         self.wait = self.cfg.probe_every
-        self.history: list[int] = []  # the verify width of every step (for stats and tests)
-        self._tick = None  # perf_counter at the last plan
-        self._plain_until = 0  # plan() answers "all plain" without deciding while plain_run is below
-        self._ones = np.ones(batch, dtype=np.int64)
-        self._fast_left = 0  # drafted steps left in which plan() reuses the full tree without deciding
-        self._fast = False  # the current step is one of those (observe() then records costs only)
-        self._fast_live = None
-        self._cuts: dict = {}  # static trees: {"tree": the tree, n: (kept nodes, cut tree)}
-        self._graph_s = 0.0  # graph seconds (verify + draft) of the step since then
-        self._last_plain = True
+        self.probing = False  # the last step was a probe
+        self.last_width = 1
+        self.history: list[int] = []  # the width of every planned step (for stats and tests)
+        self._priors: dict = priors if priors is not None else {}  # setting -> (mean gains (T,), observations)
 
-    def carry(self, prior: AdaptivePolicy | None) -> AdaptivePolicy:
-        """Start from what ``prior`` (a run of the same decoder, tree and sampling) measured. Returns self.
+    # ---------------------------------------------------------------- carry
 
-        Costs carry as they are. Gains do not carry their last state (where the last text happened
-        to be hard): every sequence starts from the setting's long-run mean gain. If that says
-        speculation pays, the run speculates from its first step; if not (a high temperature, a
-        drafter that does not fit the text), it starts plain and keeps the prior's probe wait, so
-        short runs do not pay the probes of a cold start (after 4, 8, 16, ... plain steps) again."""
-        if prior is None or prior.t != self.t:
-            return self
-        self.verify = prior.verify.copy()
-        self.draft, self.host_plain, self.host_spec = prior.draft, prior.host_plain, prior.host_spec
-        self.long_gain, self.long_n = prior.long_gain.copy(), prior.long_n
-        self.gain[:] = self.long_gain[None]
-        if not np.isnan(self.verify[1]) and not self.plan_is_speculative(0):
-            self.wait = int(np.clip(prior.wait, self.cfg.probe_every, self.cfg.max_probe_every))
-            self.plain_run = prior.plain_run
+    def carry(self, costs: Costs | None, priors: dict | None = None) -> Planner:
+        """Start from what an earlier engine measured on this machine. Returns self."""
+        if costs is not None:
+            self.costs = costs.copy()
+        if priors:
+            self._priors = {k: (g.copy(), n) for k, (g, n) in priors.items()}
         return self
 
-    # ---------------------------------------------------------------- estimates
+    def prior(self, key) -> np.ndarray | None:
+        """The mean gains earlier requests of setting ``key`` measured (None: none yet)."""
+        got = self._priors.get(key)
+        return None if got is None else got[0].copy()
 
-    def _ema(self, old, new):
-        return new if np.isnan(old) else (1 - self.cfg.ema) * old + self.cfg.ema * new
+    def learn(self, key, gains: np.ndarray) -> None:
+        """Fold one observation (a prefix of sizes) into the setting's long-run mean (a plain mean of the
+        first 50 observations, then a slow average)."""
+        mean, n = self._priors.get(key, (np.full(gains.shape[0], np.nan), 0))
+        if mean.shape[0] < gains.shape[0]:
+            mean = np.concatenate([mean, np.full(gains.shape[0] - mean.shape[0], np.nan)])
+        n += 1
+        w = max(1.0 / n, 0.02)
+        old = mean[: gains.shape[0]]
+        mean[: gains.shape[0]] = np.where(np.isnan(old), gains, (1 - w) * old + w * gains)
+        self._priors[key] = (mean, n)
 
-    def verify_cost(self, n: int) -> float:
-        """Estimated seconds for a verify of n positions: measured, else linear between measured widths."""
-        known = np.flatnonzero(~np.isnan(self.verify))
-        if known.size == 0:
-            return np.nan
-        if known.size == 1:
-            return float(self.verify[known[0]])
-        return float(np.interp(n, known, self.verify[known]))
-
-    def rates(self, b: int) -> np.ndarray:
-        """(T,) predicted tokens/s of sequence b for tree sizes 1..T (NaN where unknown)."""
-        out = np.full(self.t, np.nan)
-        host_plain = 0.0 if np.isnan(self.host_plain) else self.host_plain
-        host_spec = 0.0 if np.isnan(self.host_spec) else self.host_spec
-        out[0] = 1.0 / (self.verify_cost(1) + host_plain) if not np.isnan(self.verify[1]) else np.nan
-        widths = np.arange(2, self.t + 1)
-        known = np.flatnonzero(~np.isnan(self.verify))
-        verify = (np.interp(widths, known, self.verify[known]) if known.size > 1
-                  else np.full(widths.size, self.verify_cost(2)))
-        out[1:] = self.gain[b, 1:] / (verify + self.draft + host_spec)
-        return out
+    @property
+    def priors(self) -> dict:
+        return self._priors
 
     # ---------------------------------------------------------------- decisions
 
-    def plan(self, live: np.ndarray) -> np.ndarray:
-        """(B,) tree size per sequence for the next step (1 = no draft for it; all 1 = skip the drafter)."""
-        self._clock()
-        bsz = self.gain.shape[0]
-        if np.isnan(self.draft):  # nothing measured yet: speculate
-            return np.full(bsz, self.t)
-        if np.isnan(self.verify[1]):  # one plain step to learn what not speculating costs
-            return np.ones(bsz, dtype=np.int64)
-        if self.plain_run < self._plain_until:  # decided "plain" lately; only costs drifted since
-            return self._ones
-        self._fast = self._fast_left > 0 and np.array_equal(live, self._fast_live)
-        if self._fast:  # the full tree clearly paid lately: keep it without deciding
-            self._fast_left -= 1
-            return np.full(bsz, self.t)
-        self._fast_left = 0
-        sizes = np.ones(bsz, dtype=np.int64)
-        clear = bool(live.any())
-        for b in range(bsz):
-            if not live[b]:
-                continue
-            r = self.rates(b)
-            r[1:][np.isnan(r[1:])] = -np.inf
-            best = int(np.argmax(r[1:])) + 2
-            if r[best - 1] >= self.cfg.margin * r[0]:
-                sizes[b] = best
-            clear = clear and sizes[b] == self.t and r[best - 1] >= self.cfg.fast_margin * r[0]
-        if clear and self.cfg.recheck_every > 1:
-            self._fast_left, self._fast_live = self.cfg.recheck_every - 1, live.copy()
-        if sizes.max() == 1:
-            if self.plain_run >= self.wait:  # probe: a full tree for all, to measure again
-                return np.full(bsz, self.t)
-            # the gains change only on drafted steps: decide again at the probe, or after a few
-            # plain steps of cost drift (this keeps a plain step's host work near autoregressive's)
-            self._plain_until = min(self.wait, self.plain_run + self.cfg.recheck_every)
-        return sizes
+    def rate(self, width: int, rows: int, tokens: float) -> float:
+        c = self.costs
+        if width == 1:
+            host = 0.0 if np.isnan(c.host_plain) else c.host_plain
+            return tokens / (c.verify_cost(rows) + host)
+        host = 0.0 if np.isnan(c.host_spec) else c.host_spec
+        return tokens / (c.verify_cost(rows * width) + c.draft_cost(rows) + host)
 
-    def observe(self, trees: list[Tree] | None, accepted: list[list[int]] | None, width: int, t_verify: float,
-                t_draft: float | None, live: np.ndarray) -> None:
-        """Record a step: the trees verified (None for a plain step), accepted nodes, costs."""
+    def plan(self, modes: np.ndarray, full: np.ndarray, gains: list[np.ndarray | None]) -> np.ndarray:
+        """(B,) nodes each row verifies next step (0 for an idle row, 1 for a plain one).
+
+        ``modes`` (B,): IDLE / SPEC_OFF / SPEC_ON / SPEC_ADAPTIVE; ``full`` (B,): each row's full tree
+        size; ``gains``: per row, its :meth:`RowGains.predicted` (SPEC_ON and SPEC_ADAPTIVE rows)."""
+        width = self._width(np.asarray(modes), np.asarray(full), gains)
         self.history.append(width)
-        self.verify[width] = self._ema(self.verify[width], t_verify)
-        self._graph_s = t_verify + (t_draft or 0.0)
-        self._last_plain = t_draft is None
-        if t_draft is None:
-            self.plain_run += 1
-            return
-        self.draft = self._ema(self.draft, t_draft)
-        if self._fast and all(len(a) > 1 for a, alive in zip(accepted, live) if alive):
-            return  # a reused full-tree decision that still accepted something: costs only
-        if self._fast:  # a draft wholly rejected ends the window: every step is observed again
-            self._fast_left = 0
-        probed = self.plain_run >= self.wait
-        self.plain_run = self._plain_until = 0
-        for b, tree in enumerate(trees):
-            if not live[b] or tree.size < 2:
-                continue
-            g = counterfactual_gain(tree, accepted[b])
-            n = tree.size
-            row = self.gain[b, :n]
-            self.gain[b, :n] = np.where(np.isnan(row), g, (1 - self.cfg.ema) * row + self.cfg.ema * g)
-            # the long-run mean: a plain mean of the first 50 observations, then a slow average
-            self.long_n += 1
-            w, old = max(1.0 / self.long_n, 0.02), self.long_gain[:n]
-            self.long_gain[:n] = np.where(np.isnan(old), g, (1 - w) * old + w * g)
-        if probed:  # did the probe win? then probe more often again; else wait longer next time
-            wins = any(self.plan_is_speculative(b) for b in range(len(trees)) if live[b])
-            # a win halves the wait (one lucky probe at a high temperature must not bring back probes
-            # every few steps); speculation that goes on paying resets it (below)
-            self.wait = max(self.wait // 2, self.cfg.probe_every) if wins else min(2 * self.wait,
-                                                                                    self.cfg.max_probe_every)
-        elif self.history[-2:-1] and self.history[-2] > 1 and self.plan_is_speculative_any(live):
-            self.wait = self.cfg.probe_every  # two drafted steps in a row, still paying
+        self.last_width = width
+        sizes = np.where(modes == SPEC_ADAPTIVE, np.minimum(width, full), 1)
+        sizes = np.where(modes == SPEC_ON, full, sizes)
+        return np.where(modes == IDLE, 0, sizes).astype(np.int64)
 
-    def _clock(self) -> None:
-        """At each plan: the wall time since the previous plan, less its step's graph calls, is that
-        step's host time (its tree handling, acceptance, and what the caller did with the tokens)."""
-        now = time.perf_counter()
-        if self._tick is not None and self.history:
-            host = max(0.0, now - self._tick - self._graph_s)
-            if self._last_plain:
-                self.host_plain = self._ema(self.host_plain, host)
+    def _width(self, modes, full, gains) -> int:
+        rows = modes.shape[0]
+        on, adapt = modes == SPEC_ON, modes == SPEC_ADAPTIVE
+        w_min = int(full[on].max(initial=1))
+        w_max = int(full[on | adapt].max(initial=1))
+        if not adapt.any() or w_max <= w_min:
+            return w_min
+        c = self.costs
+        if not c.draft:  # nothing drafted yet: speculate, to measure it
+            return w_max
+        if w_min == 1 and not self._measured_plain():
+            self.probing = False
+            return 1  # one plain step to learn what not speculating costs
+        # tokens(W) for every W in w_min..w_max: adaptive rows at min(W, T_b), on rows at T_b, others 1
+        widths = np.arange(w_min, w_max + 1)
+        tok = np.zeros(widths.size)
+        for b in np.flatnonzero(on | adapt):
+            g = gains[b]
+            if on[b]:
+                tok += g[full[b] - 1]
             else:
-                self.host_spec = self._ema(self.host_spec, host)
-        self._tick = now
+                tok += g[np.minimum(widths, full[b]) - 1]
+        tok += (modes == SPEC_OFF).sum()
+        host = 0.0 if np.isnan(c.host_spec) else c.host_spec
+        rates = tok / (c.verify_cost(rows * widths) + c.draft_cost(rows) + host)
+        if widths[0] == 1:  # a plain step has no drafter call and the plain host time
+            rates[0] = self.rate(1, rows, float(tok[0]))
+        best = int(widths[int(np.argmax(rates))])
+        if w_min > 1:
+            return best
+        plain = self.rate(1, rows, float(tok[0]))
+        paid = rates.max() >= self.cfg.margin * plain and best > 1
+        was_probe, self.probing = self.probing, False
+        if was_probe:  # did the probe win? probe more often again; else wait longer next time
+            self.wait = (max(self.wait // 2, self.cfg.probe_every) if paid
+                         else min(2 * self.wait, self.cfg.max_probe_every))
+        if paid:
+            if self.last_width > 1 and not was_probe:
+                self.wait = self.cfg.probe_every  # drafted steps in a row, still paying
+            self.plain_run = 0
+            return best
+        self.plain_run += 1
+        if self.plain_run > self.wait:  # probe: full trees for all, to measure the gains again
+            self.plain_run, self.probing = 0, True
+            return w_max
+        return 1
 
-    def plan_is_speculative_any(self, live: np.ndarray) -> bool:
-        return any(self.plan_is_speculative(b) for b in range(self.gain.shape[0]) if live[b])
-
-    def plan_is_speculative(self, b: int) -> bool:
-        r = self.rates(b)
-        return bool(np.nanmax(r[1:], initial=-np.inf) >= self.cfg.margin * r[0])
-
-    def shrink(self, trees: list[Tree], cand: np.ndarray, sizes: np.ndarray, static: bool = False):
-        """Cut each sequence's tree to its planned size; returns (trees, cand (B, T'), layout).
-
-        ``static``: the trees are one static tree (Medusa), whose cuts are computed once per size."""
-        if static:
-            cuts = [self._static_cut(trees[0], int(n)) for n in sizes]
-            keeps, new_trees = [k for k, _ in cuts], [t for _, t in cuts]
-        else:
-            keeps = [cut_tree(tr, int(n)) for tr, n in zip(trees, sizes)]
-            new_trees = [sub_tree(tr, k) for tr, k in zip(trees, keeps)]
-        width = max(k.size for k in keeps)
-        bsz = len(trees)
-        out = np.zeros((bsz, width), dtype=cand.dtype)
-        depth = np.zeros((bsz, width), dtype=np.int64)
-        mask = np.broadcast_to(np.eye(width, dtype=bool), (bsz, width, width)).copy()
-        for b, (tr, k) in enumerate(zip(new_trees, keeps)):
-            out[b, : k.size] = cand[b, k]
-            depth[b, : k.size] = tr.depth
-            mask[b, : k.size, : k.size] = tr.mask
-        return new_trees, out, (depth, mask)
-
-    def _static_cut(self, tree: Tree, n: int) -> tuple[np.ndarray, Tree]:
-        if self._cuts.get("tree") is not tree:
-            self._cuts = {"tree": tree}
-        if n not in self._cuts:
-            keep = cut_tree(tree, n)
-            self._cuts[n] = (keep, sub_tree(tree, keep))
-        return self._cuts[n]
+    def _measured_plain(self) -> bool:
+        return not np.isnan(self.costs.host_plain)

@@ -27,6 +27,10 @@ class NonFiniteLogitsError(ArtifactError):
     """A graph returned nan or +inf logits (float16 overflow, or damaged weights)."""
 
 
+class CapacityError(RuntimeError):
+    """The engine is full (its queue of waiting requests is at its bound): try again later."""
+
+
 @contextlib.contextmanager
 def as_input_error():
     """Re-raise ValueError/TypeError of a validating function (a tree parser, ...) as InputError.

@@ -23,7 +23,8 @@ from graphs import contract as C
 class Columns:
     """Which cache columns hold a real token, per sequence, and where the next write goes.
 
-    Shared by the host (:class:`KVCache`) and device (:class:`graphs.device.DeviceKVCache`) caches.
+    The engine keeps one row per request instead (:mod:`graphs.slots`); this single-batch cache is
+    what ``exporter.tune`` measures verify costs with.
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype, bucket: int):

@@ -33,6 +33,7 @@ import numpy as np
 from graphs.errors import InputError, InputTypeError
 
 MODES = ("auto", "speculative", "autoregressive")
+SPECULATION = ("on", "off", "adaptive")
 ACCEPTANCES = ("lossless", "typical")
 DEFAULT_MAX_NEW_TOKENS = 64  # when neither the call nor generation_config.json sets a length
 ALIASES = {"stop": "stop_strings"}
@@ -71,6 +72,10 @@ class GenerationParams:
     """Medusa paths (list or JSON file) or EAGLE {"topk", "depth", "total_tokens"}; default: manifest's."""
     acceptance: str = "lossless"
     """When sampling: "lossless" (rejection sampling) or "typical" (Medusa's, faster, not lossless)."""
+    speculation: str | None = None
+    """"on" (always the full tree), "off" (one token per step, no drafter), "adaptive" (trees cut or
+    skipped when they stop paying); None: the decoder's default (adaptive unless loaded with
+    adaptive=False; "on" for seeded sampling, whose tokens must not follow measured times)."""
 
     def __post_init__(self):
         self.max_new_tokens = _opt_int("max_new_tokens", self.max_new_tokens, 1)
@@ -90,6 +95,8 @@ class GenerationParams:
             raise InputError(f"unknown mode {self.mode!r}; accepted: {', '.join(MODES)}")
         if self.acceptance not in ACCEPTANCES:
             raise InputError(f"unknown acceptance {self.acceptance!r}; accepted: {', '.join(ACCEPTANCES)}")
+        if self.speculation is not None and self.speculation not in SPECULATION:
+            raise InputError(f"unknown speculation {self.speculation!r}; accepted: {', '.join(SPECULATION)}")
 
     # ------------------------------------------------------------------ building
 
@@ -181,6 +188,7 @@ class GenerationParams:
             mode=self.mode,
             tree=self.tree,
             acceptance=self.acceptance,
+            speculation=self.speculation,
             sources=sources,
         )
 
@@ -201,6 +209,7 @@ class Resolved:
     mode: str
     tree: object
     acceptance: str
+    speculation: str | None
     sources: dict  # field -> "argument" | "generation_config" | "manifest" | "default"
 
     def new_tokens_for(self, longest_prompt: int) -> int:

@@ -23,6 +23,10 @@ class Stats:
     time_verify: float = 0.0
     time_total: float = 0.0
     draft_calls: int = 0  # drafter graph calls after prefill (EAGLE step-wise: 1 + depth per step)
+    time_to_first_token: float = 0.0  # seconds from the request's arrival to its first token (engine)
+    draft_tokens: int = 0  # drafted tokens verified (tree nodes past the root, drafted steps only)
+    accepted_drafts: int = 0  # of them, accepted (tokens emitted per drafted step, less the bonus)
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafted steps that accepted > k drafts
 
     @property
     def mean_accepted_length(self) -> float:
@@ -58,6 +62,10 @@ class Stats:
             "time_host": self.time_host,
             "time_total": self.time_total,
             "draft_calls": self.draft_calls,
+            "time_to_first_token": self.time_to_first_token,
+            "draft_tokens": self.draft_tokens,
+            "accepted_drafts": self.accepted_drafts,
+            "accepted_per_pos": list(self.accepted_per_pos),
         }
 
 
@@ -76,6 +84,17 @@ class StreamEvent:
     text: str  # their text ("" without a tokenizer)
     finish_reason: str | None = None  # on the sequence's last event: "eos" | "stop" | "length"
     stats: Stats | None = None  # on the run's last event: the final stats of the whole batch
+
+
+@dataclass
+class RequestEvent:
+    """What one engine step says about one request (graphs.engine)."""
+
+    request_id: int
+    token_ids: list[int]  # tokens accepted this step
+    text: str  # their text ("" without a tokenizer)
+    finish_reason: str | None = None  # last event: "eos" | "stop" | "length" | "deadline" | "cancelled"
+    stats: Stats | None = None  # on the last event: the request's own statistics
 
 
 class Sampler:

@@ -16,49 +16,38 @@ One decode step, speculative (``mode="speculative"``, the default when the expor
 
 Every step emits ``len(accepted)`` >= 1 tokens, so greedy output equals plain greedy decoding of
 the base token for token; ``mean_accepted_length`` (tau) is tokens per base forward.
+
+The loop itself is :class:`graphs.engine.Engine` (continuous batching, per-request settings);
+``generate`` and ``stream`` run a private engine per call, so nothing about a run is kept on the
+decoder and several threads may call them at once. What the decoder keeps across runs is what the
+machine measured (graph call costs, mean gains per tree and sampling setting), which the adaptive
+policy of every engine it makes reads and updates.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
+import contextlib
+import json
+import threading
+import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from graphs import contract as C
-from graphs.adaptive import AdaptivePolicy, plain_inputs, static_scores
-from graphs.device import DeviceKVCache, run_bound
-from graphs.eagle_draft import DRAFT_MODES, PendingRows, baked_trees, choose_graph, one_call_steps
+from graphs.adaptive import AdaptiveConfig, Costs, Planner, RowGains
+from graphs.eagle_draft import DRAFT_MODES, baked_trees, choose_graph
+from graphs.engine import Engine, EngineConfig, Request
 from graphs.errors import InputError, as_input_error
-from graphs.kv import KVCache
 from graphs.limits import check_eagle_tree, check_medusa_tree
 from graphs.manifest import Manifest
 from graphs.params import GenerationParams, Resolved, check_prompt
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
 from graphs.schema import check_session, load_graph
 from graphs.sessions import make_session, resolve_provider, warn_if_other_target, warn_if_tree_stale
-from graphs.trees import (
-    DEFAULT_EAGLE_TREE,
-    DynamicTreeBuilder,
-    Tree,
-    default_medusa_paths,
-    load_tree_file,
-    medusa_candidates_batch,
-    medusa_tree,
-)
-
-
-@dataclass
-class _Seq:
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)  # emitted
-    done: str | None = None
-    text: str = ""
-    streamed: str = ""  # the part of ``text`` already yielded by stream()
-    detok: object = None  # tokenizers.decoders.DecodeStream: text in O(new tokens) per step
+from graphs.slots import attention_mask
+from graphs.trees import DEFAULT_EAGLE_TREE, Tree, default_medusa_paths, load_tree_file, medusa_tree
 
 
 class Decoder:
@@ -82,12 +71,14 @@ class Decoder:
                 f"Python API have no {dtype} arrays); export with --dtype float16 or float32"
             )
         self.dtype = np.dtype(dtype)
-        # IO binding keeps K/V on the device (graphs.device); the default on CUDA. On the CPU EP the
-        # plain numpy path is as fast (inputs are passed without copies) and simpler.
-        self.io_binding = self.provider == "cuda" if io_binding is None else bool(io_binding)
-        if self.io_binding and "kv_update" not in m.graphs:
-            raise InputError(f"{out_dir} has no kv_update graph (exported by an older version): re-export it "
-                             f"or pass io_binding=False")
+        # The engine keeps K/V in host memory, one row per request (graphs.slots). IO binding (K/V on
+        # the device, written in place by the kv_update graph) was built for the old fixed-batch loop's
+        # shared write pointer; with per-row lengths it needs a per-row device write (the K/V-in-place
+        # work of the speed issue). Until then CUDA runs with host K/V: correct, slower.
+        self.io_binding = False
+        if io_binding:
+            warnings.warn("io_binding: the engine keeps K/V in host memory (device K/V per request row is not "
+                          "built yet); decoding is correct, slower on CUDA", stacklevel=3)
 
         def session(role):
             spec = m.graphs.get(role)
@@ -102,19 +93,21 @@ class Decoder:
         self.draft_spec = m.graphs.get("draft")
         self.base = session("base")
         self.draft = session("draft")
-        self.kv_update = session("kv_update") if self.io_binding else None
-        self.draft_kv_update = session("draft_kv_update") if self.io_binding else None
         # one-call EAGLE trees (graphs.eagle_draft): a session per baked (topk, depth, total_tokens)
         if eagle_draft not in DRAFT_MODES:
             raise InputError(f"unknown eagle_draft {eagle_draft!r}; accepted: {', '.join(DRAFT_MODES)}")
         self.eagle_draft = eagle_draft
         self.tree_sessions = {} if eagle_draft == "stepwise" else {r: session(r) for r in baked_trees(m).values()}
+        if not isinstance(adaptive, (bool, np.bool_)):
+            raise InputError(f"adaptive must be True or False, got {adaptive!r}")
         self.adaptive = bool(adaptive)
-        self._adaptive_now = self.adaptive  # for the current run (off for seeded sampling)
-        self.last_policy = None  # graphs.adaptive.AdaptivePolicy of the last speculative run
-        self.adaptive_config = None  # a graphs.adaptive.AdaptiveConfig, None: its defaults
-        self._policies: dict[tuple, AdaptivePolicy] = {}  # last policy per (loop, tree, batch, sampling)
-        self._capacity = 256  # K/V columns to preallocate on the device, set per run
+        self.adaptive_config: AdaptiveConfig | None = None  # the policy's settings (None: defaults)
+        # what this machine measured, shared by every engine of this decoder (graphs.adaptive): call
+        # costs and mean gains per setting; races between threads can only lose one average's update
+        self.costs = Costs()
+        self.priors: dict = {}
+        self._watch: list[list] = []  # watch_verify() record lists
+        self._watch_lock = threading.Lock()
         self.drafter = m.drafter
         self.kind = m.drafter["kind"] if m.drafter else None
         self.eos = set(m.generation.get("eos_token_ids") or [])
@@ -134,41 +127,44 @@ class Decoder:
                                     else GenerationParams())
         # its eos list is already the manifest's (export reads it there): self.eos is the one default
         self.generation_defaults.eos_token_id = None
-        self._base_host = [t.name for t in self.base_spec.outputs if not t.name.startswith("present.")]
+        self._base_outputs = [t.name for t in self.base_spec.outputs]
         self._n_layers = m.source["num_layers"]
-        self.last_stats: Stats | None = None  # of the last generate/stream run
+
 
     # ------------------------------------------------------------------ public API
+
+    def engine(self, config: EngineConfig | None = None) -> Engine:
+        """A serving engine on this decoder's sessions (:mod:`graphs.engine`): requests join and leave
+        at every step, each with its own parameters and speculation switch."""
+        return Engine(self, config)
 
     def generate(self, prompt, params: GenerationParams | None = None, **overrides):
         """Decode ``prompt`` (a string, a list of token ids, or a list of either for a batch).
 
         ``params``: a :class:`graphs.params.GenerationParams`; keyword ``overrides`` (its field names,
-        e.g. ``max_new_tokens=64, temperature=0.7, stop="\n\n"``) go on top. Unset fields take the
+        e.g. ``max_new_tokens=64, temperature=0.7, stop="\\n\\n"``) go on top. Unset fields take the
         export's ``generation_config.json`` values, else the defaults (greedy, 64 new tokens).
-        Returns a :class:`GenerationResult` (a list of them for a batch); ``stats`` are shared by
-        the batch. ``mode``: "auto" (speculative if the export has a drafter), "speculative",
-        "autoregressive". ``tree``: Medusa paths (list or JSON file) or EAGLE
+        Returns a :class:`GenerationResult` (a list of them for a batch); ``stats`` are the batch's.
+        ``mode``: "auto" (speculative if the export has a drafter), "speculative",
+        "autoregressive". ``speculation``: "on", "off", "adaptive" (default: adaptive unless loaded
+        with adaptive=False). ``tree``: Medusa paths (list or JSON file) or EAGLE
         ``{"topk", "depth", "total_tokens"}``; default from the manifest. ``acceptance`` when
         sampling: "lossless" (rejection sampling, keeps the base distribution) or "typical"
         (Medusa's, faster, not lossless).
         """
         batched = _is_batch(prompt)
-        seqs, stats = None, None
-        for event in self._run(prompt, self.resolve(params, **overrides)):
-            if isinstance(event, tuple):
-                seqs, stats = event
-        results = [GenerationResult(s.tokens, s.text if self.tokenizer else None, s.done or "length", stats)
-                   for s in seqs]
+        run = _Run()
+        for _ in self._run(prompt, self.resolve(params, **overrides), run):
+            pass
+        results = [GenerationResult(req.tokens, req.text if self.tokenizer else None, req.done or "length",
+                                    run.stats) for req in run.requests]
         return results if batched else results[0]
 
     def stream(self, prompt, params: GenerationParams | None = None, **overrides) -> Iterator[StreamEvent]:
         """Yield :class:`StreamEvent` as tokens are accepted (same arguments as :meth:`generate`).
 
         A sequence's last event has its ``finish_reason``; the run's last event carries ``stats``."""
-        for event in self._run(prompt, self.resolve(params, **overrides)):
-            if isinstance(event, StreamEvent):
-                yield event
+        yield from self._run(prompt, self.resolve(params, **overrides), _Run())
 
     def resolve(self, params: GenerationParams | None = None, **overrides) -> Resolved:
         """The values a run with these arguments uses: explicit ones, else generation_config.json's,
@@ -183,37 +179,74 @@ class Decoder:
             raise InputError(f"{self.out_dir} has no tokenizer.json: pass token ids instead of text")
         return self.tokenizer.encode(text).ids
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ graph calls (public: tune, tests)
 
-    def _prepare(self, prompt, mode):
-        ids = []
-        for p in check_prompt(prompt):
-            toks = self.encode(p) if isinstance(p, str) else p
-            if not toks:
-                raise InputError("empty prompt: pass at least one token of text")
-            if len(toks) >= self.max_positions:
-                raise InputError(
-                    f"prompt of {len(toks)} tokens exceeds the model's context limit of "
-                    f"{self.max_positions}; shorten the prompt"
-                )
-            vocab = self.manifest.source["vocab_size"]
-            bad = [t for t in toks if not 0 <= t < vocab]
-            if bad:
-                raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-            ids.append(toks)
+    def base_forward(self, kv, ids: np.ndarray, pos: np.ndarray, tree_mask: np.ndarray, rows: slice | None = None
+                     ) -> dict:
+        """One base forward over S new positions per row: ids, positions (B, S), tree_mask (B, S, S)
+        bool, against the columns ``kv`` holds (a :class:`graphs.slots.SlotCache`, its ``rows``, or a
+        :class:`graphs.kv.KVCache`). Returns every output by name (``present.*``: K/V of the S)."""
+        past = kv.past_mask() if rows is None else kv.past_mask(rows)
+        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: attention_mask(past, tree_mask)}
+        kv_feed = kv.feed() if rows is None else kv.feed(rows)
+        return dict(zip(self._base_outputs, self.base.run(self._base_outputs, feed | kv_feed)))
+
+    def presents(self, out: dict) -> list:
+        """The base's ``present.*`` outputs of ``out`` in layer order (K0, V0, K1, V1, ...)."""
+        return [out[n] for i in range(self._n_layers) for n in (C.present_key(i), C.present_value(i))]
+
+    @contextlib.contextmanager
+    def watch_verify(self):
+        """Record every verified row of every engine of this decoder while inside: yields a list that
+        fills with :class:`graphs.engine.VerifyRecord` (tree, tokens, root position, accepted nodes)."""
+        records: list = []
+        with self._watch_lock:
+            self._watch.append(records)
+        try:
+            yield records
+        finally:
+            with self._watch_lock:
+                self._watch.remove(records)
+
+    def watchers(self) -> list[list]:
+        return self._watch
+
+    def new_planner(self) -> Planner:
+        """The adaptive policy of a new engine, sharing what this decoder's engines measured."""
+        return Planner(self.adaptive_config, costs=self.costs, priors=self.priors)  # shared on purpose (__init__)
+
+    # ------------------------------------------------------------------ requests
+
+    def new_request(self, prompt, p: Resolved, max_len: int, stream: int = 0) -> Request:
+        """A checked :class:`graphs.engine.Request` for one prompt (a string or token ids).
+
+        ``stream``: which random stream of ``p.seed`` its sampler draws from (the b-th prompt of a
+        seeded batch draws from its own; stream 0 is ``default_rng(seed)`` itself)."""
+        (toks,) = check_prompt(prompt) if not _is_batch(prompt) else (None,)
+        if toks is None:
+            raise InputError("a request takes one prompt (a string or a list of token ids), not a batch")
+        if isinstance(toks, str):
+            toks = self.encode(toks)
+        if not toks:
+            raise InputError("empty prompt: pass at least one token of text")
+        if len(toks) >= self.max_positions:
+            raise InputError(f"prompt of {len(toks)} tokens exceeds the model's context limit of "
+                             f"{self.max_positions}; shorten the prompt")
+        if len(toks) >= max_len:
+            raise InputError(f"prompt of {len(toks)} tokens does not fit the engine's max_len of {max_len} "
+                             f"positions (prompt + new tokens); shorten the prompt or raise EngineConfig.max_len")
+        vocab = self.manifest.source["vocab_size"]
+        bad = [t for t in toks if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        mode = p.mode
         if mode == "auto":
             mode = "speculative" if self.kind else "autoregressive"
-        if mode not in ("speculative", "autoregressive"):
-            raise InputError(f"unknown mode {mode!r}; accepted: auto, speculative, autoregressive")
         if mode == "speculative" and not self.kind:
             raise InputError(f"{self.out_dir} has no draft graph: use mode='autoregressive' or export a drafter")
-        return [_Seq(prompt=t) for t in ids], mode
-
-    def _run(self, prompt, p: Resolved):
-        seqs, mode = self._prepare(prompt, p.mode)
         if p.acceptance == "typical" and self.kind != "medusa":
             raise InputError("typical acceptance is Medusa's; EAGLE drafts use lossless acceptance" if self.kind else
                              f"typical acceptance needs a Medusa drafter; {self.out_dir} has none (base only, "
@@ -221,203 +254,45 @@ class Decoder:
         if p.stop_strings and self.tokenizer is None:
             raise InputError(f"{self.out_dir} has no tokenizer.json, so stop strings cannot be matched; "
                              f"drop stop_strings or use eos_token_id")
-        max_new_tokens = p.new_tokens_for(max(len(s.prompt) for s in seqs))
-        eos = set(self.eos if p.eos_token_ids is None else p.eos_token_ids)
+        spec = p.speculation
+        if spec in ("on", "adaptive") and not self.kind:
+            raise InputError(f"speculation={spec!r} needs a drafter; {self.out_dir} has none: use speculation='off'")
+        if mode == "autoregressive" or spec == "off":
+            spec = "off"
+        elif spec is None:
+            spec = "adaptive" if self.adaptive else "on"
+        # a seeded sampling request stays reproducible: its trees must not follow measured times
+        if spec == "adaptive" and p.seed is not None and p.temperature > 0:
+            spec = "on"
+        seed = p.seed if stream == 0 or p.seed is None else [p.seed, stream]
+        sampler = Sampler(p.temperature, p.top_p, p.top_k, np.random.default_rng(seed), p.acceptance)
+        req = Request(id=-1, prompt=list(toks), params=p, max_new=p.new_tokens_for(len(toks)),
+                      eos=set(self.eos if p.eos_token_ids is None else p.eos_token_ids), speculation=spec,
+                      sampler=sampler)
+        if spec != "off":
+            if self.kind == "medusa":
+                req.tree = self.medusa_tree(p.tree)
+                req.tree_size = req.tree.size
+                key = ("medusa", req.tree.parents.tobytes(), req.tree.rank.tobytes())
+            else:
+                req.tree = self.eagle_tree(p.tree)
+                req.tree_role = choose_graph(self.manifest, req.tree, self.eagle_draft)
+                req.tree_size = (self.manifest.graphs[req.tree_role].output(C.TREE_TOKENS).dims[1]
+                                 if req.tree_role else req.tree["total_tokens"])
+                key = ("eagle", req.tree_role, req.tree["topk"], req.tree["depth"], req.tree["total_tokens"])
+            req.prior_key = (*key, p.temperature, p.top_p, p.top_k, p.acceptance)
+            # on rows too: their expected tokens weigh in the batch's choice of width
+            prior = self.priors.get(req.prior_key)
+            req.gains = RowGains(req.tree_size, None if prior is None else prior[0].copy(),
+                                 (self.adaptive_config or AdaptiveConfig()).ema)
         if self.tokenizer is not None:
             from tokenizers.decoders import DecodeStream
 
-            for s in seqs:
-                s.detok = DecodeStream(skip_special_tokens=True)
-        self._capacity = self._device_capacity(seqs, max_new_tokens)
-        rng = np.random.default_rng(p.seed)
-        sampler = Sampler(p.temperature, p.top_p, p.top_k, rng, p.acceptance)
-        stats = Stats(prompt_tokens=sum(len(s.prompt) for s in seqs))
-        self.last_stats = stats  # filled in as the run goes (also when a stream is left early)
-        t_start = time.perf_counter()
-        # a seeded sampling run stays reproducible: the adaptive policy (which follows measured times)
-        # is off for it
-        self._adaptive_now = self.adaptive and (p.seed is None or sampler.temperature == 0)
-        steps = {"autoregressive": self._autoregressive, "speculative": self._speculative}[mode]
-        for emitted in steps(seqs, sampler, stats, p.tree, max_new_tokens):
-            events = [self._emit(seqs[b], b, toks, max_new_tokens, p.stop_strings, eos) for b, toks in emitted]
-            events = [e for e in events if e is not None]
-            stats.time_total = time.perf_counter() - t_start
-            finished = all(s.done for s in seqs)
-            if finished:  # the run's last event carries its final stats
-                stats.new_tokens = sum(len(s.tokens) for s in seqs)
-                if events:
-                    events[-1].stats = stats
-            yield from events
-            if finished:
-                break
-        stats.time_total = time.perf_counter() - t_start
-        stats.new_tokens = sum(len(s.tokens) for s in seqs)
-        self.last_stats = stats
-        yield seqs, stats
+            req.detok = DecodeStream(skip_special_tokens=True)
+        return req
 
-    def _emit(self, seq: _Seq, b: int, toks: list[int], max_new: int, stops: list[str], eos: set):
-        if seq.done:
-            return None
-        # a sequence may fill the context: its last token sits at position max_positions - 1 and is
-        # never fed back, so prompt + new tokens <= max_positions
-        room = min(max_new, self.max_positions - len(seq.prompt)) - len(seq.tokens)
-        toks = toks[: max(room, 0)]
-        for i, t in enumerate(toks):
-            if t in eos:
-                toks, seq.done = toks[: i + 1], "eos"
-                break
-        if seq.detok is not None:
-            # text grows token by token (tokenizers' DecodeStream: O(new tokens), never the whole
-            # sequence again); a stop string keeps the tokens up to the one that completes it
-            longest = max(map(len, stops), default=0)
-            for k, t in enumerate(toks):
-                start = max(0, len(seq.text) - longest)
-                seq.text += seq.detok.step(self.tokenizer, t) or ""  # None: a character still incomplete
-                cut = _find_stop(seq.text, stops, start) if stops else None
-                if cut is not None:
-                    toks, seq.done, seq.text = toks[: k + 1], "stop", seq.text[:cut]
-                    break
-        seq.tokens.extend(toks)
-        if not seq.done and len(seq.tokens) >= max_new:
-            seq.done = "length"
-        if not seq.done and len(seq.prompt) + len(seq.tokens) >= self.max_positions:
-            seq.done = "length"
-        if seq.done and seq.done != "stop" and seq.detok is not None:
-            seq.text = self._decode(seq.tokens)  # once at the end: a trailing partial character shows as U+FFFD
-        # stream text that can no longer change: hold back the last characters that may begin a stop
-        # string, until the sequence is done (DecodeStream already holds back partial characters)
-        visible = seq.text
-        if not seq.done and stops:
-            visible = visible[: max(0, len(visible) - max(map(len, stops)) + 1)]
-        new_text = ""
-        if visible.startswith(seq.streamed):  # (else decoding changed streamed text: nothing to add)
-            new_text, seq.streamed = visible[len(seq.streamed):], visible
-        if toks or new_text or seq.done:
-            return StreamEvent(index=b, token_ids=toks, text=new_text, finish_reason=seq.done)
-        return None
-
-    # ------------------------------------------------------------------ graph calls
-
-    def _device_capacity(self, seqs, max_new_tokens: int) -> int:
-        """K/V columns to preallocate on the device: the whole generation plus one tree (grows if
-        sequences of a batch leave many holes)."""
-        longest = max(len(s.prompt) for s in seqs) + max_new_tokens
-        return min(longest, self.max_positions) + 64
-
-    def _execute(self, session, spec, feed: dict, kv, host: list[str]) -> dict:
-        """Run a graph that reads ``kv``: host inputs in; host outputs and ``present.*`` out.
-
-        With IO binding the past is bound from device buffers and ``present.*`` stay on the device
-        (OrtValues); otherwise everything is numpy and the past buffers are fed without a copy.
-        """
-        if self.io_binding:
-            return run_bound(session, spec, feed, kv, host, self.provider, self.device_id)
-        names = host + [t.name for t in spec.outputs if t.name.startswith("present.")]
-        return dict(zip(names, session.run(names, feed | kv.feed())))
-
-    def _run_base(self, kv, ids, pos, tree_mask) -> dict:
-        """One base forward over S new positions per sequence; tree_mask (B, S, S) bool."""
-        mask = _full_mask(kv.past_mask(), tree_mask)
-        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask}
-        return self._execute(self.base, self.base_spec, feed, kv, self._base_host)
-
-    def _presents(self, out: dict, n_layers: int) -> list:
-        return [out[n] for i in range(n_layers) for n in (C.present_key(i), C.present_value(i))]
-
-    def _new_cache(self, batch: int, layers: int, kv_heads: int, head_dim: int, draft: bool = False):
-        if self.io_binding:
-            update = self.draft_kv_update if draft else self.kv_update
-            return DeviceKVCache(update, layers, batch, kv_heads, head_dim, self.dtype, device=self.provider,
-                                 device_id=self.device_id, capacity=self._capacity)
-        return KVCache(layers, batch, kv_heads, head_dim, self.dtype)
-
-    def _prefill(self, seqs, stats):
-        """Prompts right-padded into one forward; returns (kv, out, last row per sequence)."""
-        src = self.manifest.source
-        bsz = len(seqs)
-        lens = np.array([len(s.prompt) for s in seqs])
-        s_max = int(lens.max())
-        ids = np.full((bsz, s_max), self.pad, dtype=np.int64)
-        for b, s in enumerate(seqs):
-            ids[b, : lens[b]] = s.prompt
-        pos = np.broadcast_to(np.arange(s_max), (bsz, s_max)).astype(np.int64)
-        causal = np.tril(np.ones((s_max, s_max), dtype=bool))
-        tree = causal[None] & (np.arange(s_max)[None, None, :] < lens[:, None, None])
-        tree |= np.eye(s_max, dtype=bool)[None]  # pad rows see themselves: no empty softmax
-        kv = self._new_cache(bsz, self._n_layers, src["num_kv_heads"], src["head_dim"])
-        t0 = time.perf_counter()
-        out = self._run_base(kv, ids, pos, tree)
-        stats.time_prefill += time.perf_counter() - t0
-        kv.append(self._presents(out, self._n_layers), np.broadcast_to(np.arange(s_max), (bsz, s_max)), lens)
-        return kv, out, lens - 1
-
-    def _autoregressive(self, seqs, sampler, stats, tree, max_new):
-        kv, out, last = self._prefill(seqs, stats)
-        bsz = len(seqs)
-        rows = np.arange(bsz)
-        nxt = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
-        pos = last + 1
-        yield [(b, [int(nxt[b])]) for b in rows]
-        ones = np.ones((bsz, 1, 1), dtype=bool)
-        while True:
-            t0 = time.perf_counter()
-            out = self._run_base(kv, nxt[:, None], pos[:, None], ones)
-            stats.time_verify += time.perf_counter() - t0
-            kv.append(self._presents(out, self._n_layers), np.zeros((bsz, 1), dtype=np.int64),
-                      np.ones(bsz, dtype=np.int64))
-            nxt = np.array([sampler.token(out[C.LOGITS][b, 0]) for b in rows])
-            pos = pos + 1
-            stats.steps += 1
-            stats.plain_steps += 1
-            live = [b for b in rows if not seqs[b].done]
-            stats.accepted += [1] * len(live)
-            yield [(b, [int(nxt[b])]) for b in live]
-
-    def _speculative(self, seqs, sampler, stats, tree, max_new):
-        if self.kind == "medusa":
-            yield from self._medusa(seqs, sampler, stats, self._medusa_tree(tree))
-        else:
-            cfg = self._eagle_tree(tree)
-            role = choose_graph(self.manifest, cfg, self.eagle_draft)
-            if role is not None:
-                yield from one_call_steps(self, seqs, sampler, stats, role)
-            else:
-                yield from self._eagle(seqs, sampler, stats, cfg)
-
-    def _verify_and_accept(self, kv, seqs, sampler, stats, trees: list[Tree], tokens: np.ndarray, pos,
-                           layout=None, policy=None, t_draft: float | None = None, live=None):
-        """Verify (B, T) candidate tokens in one base forward; commit accepted K/V rows.
-
-        ``layout``: (depth (B, T), mask (B, T, T)) when the trees are known in advance (static).
-        ``policy``: the adaptive policy, told what the step cost and accepted (``t_draft`` None: a
-        plain step; ``live``: the sequences still decoding).
-        Returns (base outputs, accepted node lists, bonus tokens)."""
-        bsz, t = tokens.shape
-        depth, mask = layout or _tree_layout(trees, t)
-        t0 = time.perf_counter()
-        out = self._run_base(kv, tokens, pos[:, None] + depth, mask)
-        t_verify = time.perf_counter() - t0
-        stats.time_verify += t_verify
-        accepted, bonus = [], []
-        for b in range(bsz):
-            nodes, nxt = sampler.accept(trees[b], tokens[b, : trees[b].size], out[C.LOGITS][b, : trees[b].size])
-            accepted.append(nodes)
-            bonus.append(nxt)
-        # finished sequences keep being computed (the batch stays rectangular) but commit nothing
-        counts = np.array([0 if seqs[b].done else len(a) for b, a in enumerate(accepted)])
-        idx = np.zeros((bsz, max(int(counts.max()), 1)), dtype=np.int64)
-        for b, a in enumerate(accepted):
-            idx[b, : counts[b]] = a[: counts[b]]
-        kv.append(self._presents(out, self._n_layers), idx, counts)
-        stats.steps += 1
-        stats.accepted += [int(c) for b, c in enumerate(counts) if not seqs[b].done]
-        if policy is not None:
-            policy.observe(None if t_draft is None else trees, accepted, t, t_verify, t_draft, live)
-        return out, accepted, bonus
-
-    # Medusa -----------------------------------------------------------------------------
-
-    def _medusa_tree(self, tree) -> Tree:
+    def medusa_tree(self, tree) -> Tree:
+        """The Medusa tree a request asks for (paths, a JSON file, or None: the manifest's), checked."""
         if tree is None:
             paths = self.default_tree.get("medusa_paths") or default_medusa_paths(self.drafter["num_heads"])
         elif isinstance(tree, (str, Path)):
@@ -434,69 +309,11 @@ class Decoder:
         check_medusa_tree(t, self.manifest.source["vocab_size"], self.max_positions)
         return t
 
-    def _medusa(self, seqs, sampler, stats, tree: Tree):
-        kv, out, last = self._prefill(seqs, stats)
-        bsz = len(seqs)
-        rows = np.arange(bsz)
-        root = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
-        hidden = out[C.HIDDEN][rows, last]  # (B, H) last cached position
-        pos = last + 1  # the root's position
-        yield [(b, [int(root[b])]) for b in rows]
-        topk = np.array([int(tree.rank.max()) + 1], dtype=np.int64)
-        # the adaptive policy ranks a static tree's nodes by their assumed acceptance (best-n cuts)
-        ranked = dataclasses.replace(tree, score=static_scores(tree))
-        policy = self._new_policy(bsz, tree.size, sampler, ("medusa", tuple(tree.parents), tuple(tree.rank)))
-        trees = [ranked] * bsz
-        layout = _tree_layout(trees, tree.size)  # static: built once
-        while True:
-            live = np.array([not s.done for s in seqs])
-            sizes = policy.plan(live) if policy is not None else None
-            t_draft = None
-            if sizes is not None and sizes.max() == 1:  # a plain step: the heads are not run at all
-                step_trees, cand, step_layout = plain_inputs(root)
-                stats.plain_steps += 1
-            else:
-                t0 = time.perf_counter()
-                (ids,) = self.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden[:, None], C.TOPK_IN: topk})
-                t_draft = time.perf_counter() - t0
-                stats.time_draft += t_draft
-                stats.draft_calls += 1
-                cand = medusa_candidates_batch(tree, root, ids[:, 0])  # (B, T)
-                step_trees, step_layout = trees, layout
-                if sizes is not None and sizes.min() < tree.size:
-                    step_trees, cand, step_layout = policy.shrink(trees, cand, sizes, static=True)
-            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, step_trees, cand, pos,
-                                                           step_layout, policy, t_draft, live)
-            emitted = []
-            for b in rows:
-                a = accepted[b]
-                hidden[b] = out[C.HIDDEN][b, a[-1]]
-                emitted.append((b, [int(x) for x in cand[b, a[1:]]] + [int(bonus[b])]))
-                pos[b] += len(a)
-                root[b] = bonus[b]
-            yield emitted
-
-    def _new_policy(self, bsz: int, tree_size: int, sampler, key: tuple):
-        """The run's :class:`AdaptivePolicy` (None when adaptive is off for it), seeded with what the
-        last run of the same loop, tree, batch size and sampling settings measured."""
-        if not self._adaptive_now:
-            self.last_policy = None
-            return None
-        key = (*key, bsz, sampler.temperature, sampler.top_p, sampler.top_k, sampler.acceptance,
-               self.adaptive_config)
-        policy = AdaptivePolicy(bsz, tree_size, self.adaptive_config).carry(self._policies.get(key))
-        if len(self._policies) >= 64:  # a memory, not a log: forget the oldest setting
-            self._policies.pop(next(iter(self._policies)))
-        self._policies[key] = self.last_policy = policy
-        return policy
-
-    # EAGLE ------------------------------------------------------------------------------
-
-    def _eagle_tree(self, tree) -> dict:
+    def eagle_tree(self, tree) -> dict:
+        """The EAGLE tree a request asks for ({"topk", "depth", "total_tokens"}, a JSON file, or None:
+        the manifest's), checked."""
         cfg = dict(self.default_tree.get("eagle") or DEFAULT_EAGLE_TREE)
         if isinstance(tree, (str, Path)):
-            import json
-
             try:
                 tree = json.loads(Path(tree).read_text())
             except (OSError, json.JSONDecodeError) as e:
@@ -506,168 +323,64 @@ class Decoder:
                 raise InputError('an EAGLE tree is {"topk": k, "depth": d, "total_tokens": n}')
             cfg.update(tree)
         for k in ("topk", "depth", "total_tokens"):
-            if not isinstance(cfg[k], int) or cfg[k] < 1:
+            if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < 1:
                 raise InputError(f"EAGLE tree {k} must be an int >= 1, got {cfg[k]!r}")
         vocab = self.drafter.get("draft_vocab_size") or self.manifest.source["vocab_size"]
         check_eagle_tree(cfg, vocab, self.max_positions)
         return cfg
 
-    def _run_draft(self, dkv: KVCache, feats, ids, pos, tree_mask, topk, stats, mask=None, is_aux=False):
-        """One drafter forward; feats are the base's (``is_aux``: EAGLE-3 layers) or the drafter's own.
+    # ------------------------------------------------------------------ generate / stream
 
-        The attention mask is the cache's columns + ``tree_mask`` (B, S, S), or ``mask`` as given."""
-        bsz = ids.shape[0]
-        if mask is None:
-            mask = _full_mask(dkv.past_mask(), tree_mask)
-        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.TOPK_IN: topk}
-        if self.drafter.get("eagle3"):  # exactly one of the two feature inputs has rows (contract)
-            aux_dim = self.draft_spec.input(C.AUX_HIDDEN).dims[-1]
-            hid_dim = self.draft_spec.input(C.HIDDEN).dims[-1]
-            feed[C.AUX_HIDDEN] = feats if is_aux else np.empty((bsz, 0, aux_dim), self.dtype)
-            feed[C.HIDDEN] = np.empty((bsz, 0, hid_dim), self.dtype) if is_aux else feats
-        else:
-            feed[C.HIDDEN] = feats
-        t0 = time.perf_counter()
-        out = self._execute(self.draft, self.draft_spec, feed, dkv, [C.HIDDEN_OUT, C.TOPK_IDS, C.TOPK_LOGPROBS])
-        stats.time_draft += time.perf_counter() - t0
-        stats.draft_calls += 1
-        return out
-
-    def _eagle_start(self, seqs, sampler, stats):
-        """What both EAGLE loops (step-wise here, one-call in graphs.eagle_draft) begin with: the
-        prefill, an empty drafter cache, the base feature the drafter reads, the first token, the
-        drafter's pending context rows and the root's position."""
-        kv, out, last = self._prefill(seqs, stats)
-        rows = np.arange(len(seqs))
-        d = self.drafter
-        dkv = self._new_cache(len(seqs), d["num_layers"], d["num_kv_heads"], d["head_dim"], draft=True)
-        feat_name = C.AUX_HIDDEN if d.get("eagle3") else C.HIDDEN
-        root = np.array([sampler.token(out[C.LOGITS][b, last[b]]) for b in rows])
-        # drafter context: (feature of position t, token t+1) for every position not yet drafted from
-        pend = PendingRows([out[feat_name][b, : last[b] + 1] for b in rows],
-                           [np.append(seqs[b].prompt[1:], root[b]) for b in rows], self.dtype, self.pad)
-        return kv, rows, dkv, feat_name, root, pend, last + 1
-
-    def _eagle_emit(self, seqs, out, accepted, bonus, cand, feat_name, pend, pos, root, drafted: bool) -> list:
-        """Both EAGLE loops after a verify: the emitted tokens per sequence; the accepted rows become
-        the drafter's next context (``drafted``) or join the rows still waiting (a plain step);
-        ``pos`` and ``root`` move on (in place)."""
-        emitted = []
-        for b in range(len(seqs)):
-            acc = accepted[b]
-            emitted.append((b, [int(x) for x in cand[b, acc[1:]]] + [int(bonus[b])]))
-            keep = 1 if seqs[b].done else len(acc)  # finished: one row keeps the batch rectangular
-            feats_b, ids_b = out[feat_name][b, acc[:keep]], np.append(cand[b, acc[1:]], bonus[b])[:keep]
-            if drafted:
-                pend.set(b, feats_b, ids_b, pos[b])
-            else:
-                pend.extend(b, feats_b, ids_b)
-            pos[b] += len(acc)
-            root[b] = bonus[b]
-        return emitted
-
-    def _eagle(self, seqs, sampler, stats, cfg: dict):
-        kv, rows, dkv, feat_name, root, pend, pos = self._eagle_start(seqs, sampler, stats)
-        bsz = len(seqs)
-        yield [(b, [int(root[b])]) for b in rows]
-        topk = np.array([cfg["topk"]], dtype=np.int64)
-        policy = self._new_policy(bsz, cfg["total_tokens"], sampler,
-                                  ("eagle_stepwise", cfg["topk"], cfg["depth"], cfg["total_tokens"]))
-        while True:
-            live = np.array([not s.done for s in seqs])
-            sizes = policy.plan(live) if policy is not None else None
-            t_draft = None
-            if sizes is not None and sizes.max() == 1:  # a plain step: no drafter call, its rows wait
-                trees, cand, layout = plain_inputs(root)
-                stats.plain_steps += 1
-            else:
-                t_draft = stats.time_draft
-                trees, cand = self._eagle_draft(dkv, pend, root, pos, topk, cfg, stats)
-                t_draft = stats.time_draft - t_draft
-                layout = None
-                if sizes is not None and sizes.min() < cand.shape[1]:
-                    trees, cand, layout = policy.shrink(trees, cand, sizes)
-            # 3) verify and accept
-            out, accepted, bonus = self._verify_and_accept(kv, seqs, sampler, stats, trees, cand, pos, layout,
-                                                           policy, t_draft, live)
-            yield self._eagle_emit(seqs, out, accepted, bonus, cand, feat_name, pend, pos, root, t_draft is not None)
-
-    def _eagle_draft(self, dkv, pend: PendingRows, root, pos, topk, cfg: dict, stats):
-        """Step-wise EAGLE drafting: the pending context rows into the drafter cache, then one
-        EAGLE-2 tree per sequence grown with ``depth`` more drafter calls. Returns (trees, cand (B, T))."""
-        bsz, d = len(root), self.drafter
-        rows = np.arange(bsz)
-        # 1) context: feed the pending rows, commit them to the drafter cache
-        feats, ids, ppos, causal, counts = pend.arrays()
-        a = ids.shape[1]
-        dout = self._run_draft(dkv, feats, ids, ppos, causal, topk, stats, is_aux=bool(d.get("eagle3")))
-        dkv.append(self._presents(dout, d["num_layers"]), np.broadcast_to(np.arange(a), (bsz, a)), counts)
-        # 2) grow one EAGLE-2 tree per sequence from the root's drafter output
-        builders = [DynamicTreeBuilder(cfg["topk"], cfg["depth"], cfg["total_tokens"]) for _ in rows]
-        frontiers = [builders[b].start(dout[C.TOPK_IDS][b, counts[b] - 1],
-                                       dout[C.TOPK_LOGPROBS][b, counts[b] - 1]) for b in rows]
-        prev = dout[C.HIDDEN_OUT][rows, counts - 1][:, None]  # (B, 1, H) output at the root
-        w0 = dkv.w
-        while frontiers[0] is not None:
-            k, n_prev = frontiers[0].size, dkv.w - w0
-            hid = np.stack([prev[b, f.parent_row] for b, f in enumerate(frontiers)])  # (B, k, H)
-            tok = np.stack([f.tokens for f in frontiers])
-            fpos = pos[:, None] + np.stack([f.depth for f in frontiers]) - 1  # parent's position
-            attend = np.stack([f.attend for f in frontiers])  # (B, k, n_prev + k) over fed nodes
-            cap = dkv.capacity
-            mask = np.empty((bsz, 1, k, cap + k), dtype=bool)  # context, fed tree rows, this level
-            mask[:, 0, :, :cap] = dkv.past_mask()[:, None, :]
-            mask[:, 0, :, w0 : w0 + n_prev] = attend[:, :, :n_prev]
-            mask[:, 0, :, cap:] = attend[:, :, n_prev:]
-            dout = self._run_draft(dkv, hid, tok, fpos, None, topk, stats, mask=mask)
-            dkv.append(self._presents(dout, d["num_layers"]), None, np.zeros(bsz, dtype=np.int64), width=k)
-            prev = dout[C.HIDDEN_OUT]
-            frontiers = [builders[b].expand(dout[C.TOPK_IDS][b], dout[C.TOPK_LOGPROBS][b]) for b in rows]
-        dkv.truncate(w0)
-        built = [builders[b].finish(root_token=int(root[b])) for b in rows]
-        trees = [t for t, _ in built]
-        t_max = max(t.size for t in trees)
-        return trees, np.stack([_pad(tok, t_max, self.pad) for _, tok in built])  # (B, T)
+    def _run(self, prompt, p: Resolved, run: _Run):
+        """A private engine over the batch; yields StreamEvents, fills ``run`` (requests, stats)."""
+        prompts = [self.encode(x) if isinstance(x, str) else x for x in check_prompt(prompt)]
+        if any(not x for x in prompts):
+            raise InputError("empty prompt: pass at least one token of text")
+        longest = max(len(x) for x in prompts)
+        new = p.new_tokens_for(longest)  # HF's max_length counts the batch's longest prompt
+        max_len = min(longest + new + 1, self.max_positions)
+        # one prefill call for the whole batch (nothing else shares this engine); any tree fits
+        cfg = EngineConfig(max_batch=len(prompts), max_len=max(max_len, 2), prefill_chunk=max(longest, 1),
+                           step_tokens=max(longest * len(prompts), 1), max_tree=4096)
+        engine = Engine(self, cfg)
+        r = Resolved(**{**p.__dict__, "max_new_tokens": new, "max_length": None})
+        ids = [engine.add(self.new_request(x, r, engine.max_len, stream=b)) for b, x in enumerate(prompts)]
+        run.requests = [engine.request(i) for i in ids]
+        index = {rid: b for b, rid in enumerate(ids)}
+        stats = run.stats
+        stats.prompt_tokens = sum(len(x) for x in prompts)
+        t0 = _now()
+        while engine.has_pending_requests():
+            events = engine.step()
+            tot = engine.totals
+            for name in ("steps", "plain_steps", "accepted", "time_prefill", "time_draft", "time_verify",
+                         "draft_calls"):
+                setattr(stats, name, getattr(tot, name))
+            stats.time_total = _now() - t0
+            stats.new_tokens = sum(len(q.tokens) for q in run.requests)
+            out = [StreamEvent(index=index[e.request_id], token_ids=e.token_ids, text=e.text,
+                               finish_reason=e.finish_reason) for e in events]
+            if out and not engine.has_pending_requests():
+                out[-1].stats = stats  # the run's last event carries its final stats
+            yield from out
 
 
-def _full_mask(past: np.ndarray, tree: np.ndarray) -> np.ndarray:
-    """(B, 1, S, P+S) bool from the past columns each row may see and the (B, S, S) new block.
+class _Run:
+    """What one generate/stream call produced (its own, not the decoder's)."""
 
-    ``past`` is (B, P) (the same for every row) or (B, S, P) (per row, for draft trees).
-    """
-    bsz, s, _ = tree.shape
-    if past.ndim == 2:
-        past = np.broadcast_to(past[:, None, :], (bsz, s, past.shape[1]))
-    return np.concatenate([past, tree], axis=2)[:, None]
+    def __init__(self):
+        self.requests: list[Request] = []
+        self.stats = Stats()
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> int | None:
-    """Where the earliest stop string begins in ``text[start:]`` (an index into ``text``), or None."""
-    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
-    return min(hits) if hits else None
+def _now() -> float:
+    import time
 
-
-def _tree_layout(trees: list[Tree], t: int) -> tuple[np.ndarray, np.ndarray]:
-    """(depth (B, T), mask (B, T, T)) of per-sequence trees padded to T nodes."""
-    depth = np.stack([_pad(tr.depth, t, 0) for tr in trees])
-    mask = np.stack([_pad_mask(tr.mask, t) for tr in trees])
-    return depth, mask
-
-
-def _pad(x: np.ndarray, n: int, value) -> np.ndarray:
-    out = np.full(n, value, dtype=np.int64)
-    out[: len(x)] = x
-    return out
-
-
-def _pad_mask(mask: np.ndarray, n: int) -> np.ndarray:
-    out = np.eye(n, dtype=bool)  # padding nodes see only themselves (and are never accepted)
-    out[: mask.shape[0], : mask.shape[1]] = mask
-    return out
+    return time.perf_counter()
 
 
 def _is_batch(prompt) -> bool:
-    return (isinstance(prompt, (list, tuple)) and bool(prompt)
+    return (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > 0
             and not isinstance(prompt[0], (int, float, np.integer, np.floating)))
 
 
@@ -677,7 +390,7 @@ def load(out_dir, provider: str = "auto", threads: int | None = None, optimizati
     """Build a :class:`Decoder` from an export directory (checks every file's sha256 first).
 
     ``provider``: "auto" (CUDA EP when onnxruntime-gpu sees a GPU, else CPU EP), "cuda", "cpu".
-    ``io_binding``: keep K/V on the device and update it in place (default: on for CUDA).
+    ``io_binding``: not built for the engine yet (K/V stays in host memory; True warns).
     ``device_id``: which GPU (CUDA EP). ``session_options``: an ``onnxruntime.SessionOptions`` used
     as given, or a dict of its attributes / session config entries applied on top of ours.
     ``provider_options``: options of the execution provider (e.g. CUDA's ``gpu_mem_limit``).

@@ -42,6 +42,28 @@ def resolve_provider(provider: str = "auto") -> str:
 _POOL_THREADS = 0  # intra-op threads of the process-wide pool, once use_shared_thread_pool() set it
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(threads) -> int | None:
+    """``threads`` (None: ONNX Runtime's choice) as an int in 1..cores(), else a one-line error: more
+    threads than cores only make them wait for each other (100,000 would create a thread storm)."""
+    if threads is None:
+        return None
+    n = cores()
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise InputTypeError(f"threads must be an int between 1 and {n} (this machine's cores), got "
+                             f"{type(threads).__name__} {threads!r}")
+    if not 1 <= threads <= n:
+        raise InputError(f"threads must be between 1 and {n} (this machine's cores), got {threads}")
+    return threads
+
+
 def use_shared_thread_pool(threads: int | None = None) -> bool:
     """Run every session of this process on one ORT thread pool. Call once, before any session.
 
@@ -55,7 +77,7 @@ def use_shared_thread_pool(threads: int | None = None) -> bool:
     Returns False when the pool could not be set (an onnxruntime without the call).
     """
     global _POOL_THREADS
-    want = threads or os.cpu_count() or 1
+    want = check_threads(threads) or cores()
     if _POOL_THREADS:
         return want == _POOL_THREADS
     try:
@@ -95,6 +117,7 @@ def make_session(
 
 
 def default_session_options(threads: int | None = None, optimization: str = "all") -> ort.SessionOptions:
+    threads = check_threads(threads)
     opts = ort.SessionOptions()
     if optimization not in _LEVELS:
         raise InputError(f"unknown optimization level {optimization!r}; accepted: {', '.join(_LEVELS)}")
@@ -123,8 +146,12 @@ def apply_session_options(opts: ort.SessionOptions, options: dict) -> ort.Sessio
                 setattr(opts, key, value)
             except (TypeError, AttributeError) as e:
                 raise InputError(f"session option {key}={value!r}: {e}") from None
+        elif isinstance(key, str) and "." in key:  # a session config entry: "session.intra_op.allow_spinning"
+            opts.add_session_config_entry(key, str(value))
         else:
-            opts.add_session_config_entry(str(key), str(value))
+            raise InputError(f"unknown session option {key!r}: not an onnxruntime.SessionOptions attribute "
+                             f"(e.g. intra_op_num_threads) nor a dotted config entry (e.g. "
+                             f"session.intra_op.allow_spinning); check its spelling")
     return opts
 
 

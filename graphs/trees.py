@@ -198,11 +198,11 @@ def medusa_candidates_batch(tree: Tree, root_tokens: np.ndarray, topk_ids: np.nd
 
 
 # Assumed acceptance for the default tree, shaped like Medusa's measured head accuracies: head h
-# predicts its token at rank r with probability _TOP1 * _HEAD_DECAY**h * _RANK_DECAY**r (given the
+# predicts its token at rank r with probability TOP1 * HEAD_DECAY**h * RANK_DECAY**r (given the
 # path so far was accepted). Head 0 top-1 0.6 and top-inf 0.86; later heads are less accurate.
-_TOP1 = 0.6
-_HEAD_DECAY = 0.8
-_RANK_DECAY = 0.3
+TOP1 = 0.6
+HEAD_DECAY = 0.8
+RANK_DECAY = 0.3
 # 8 tokens: on CPU a tree is not free (DESIGN.md: 8 tokens 9.1 ms, 16 tokens 10.9 ms, vs 6.5 ms
 # for one). Measured with exporter.bench --sweep (3 heads, 2 cores): 8 tokens was fastest on the
 # 0.9M demo model (1.48x; 12 tokens 1.19x) and the 19M one (1.98x; 12 tokens 1.72x, 15 tokens 1.58x).
@@ -213,8 +213,8 @@ _MIN_PATH_PROB = 0.01
 
 
 def _path_prob(path: tuple[int, ...]) -> float:
-    """Assumed probability that every token of ``path`` is accepted (see ``_TOP1``)."""
-    return math.prod(_TOP1 * _HEAD_DECAY**h * _RANK_DECAY**r for h, r in enumerate(path))
+    """Assumed probability that every token of ``path`` is accepted (see ``TOP1``)."""
+    return math.prod(TOP1 * HEAD_DECAY**h * RANK_DECAY**r for h, r in enumerate(path))
 
 
 def default_medusa_paths(num_heads: int, size: int | None = None) -> list[list[int]]:

@@ -63,20 +63,23 @@ def train_for_base(base_dir, out_dir, mode: str, spec: DemoSpec, data: str = "di
 def main(argv=None) -> Path:
     defaults = DemoSpec()
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--out", required=True, type=Path, help="output model_dir")
-    p.add_argument("--mode", choices=sorted(MODES), default="medusa")
+    p.add_argument("--mode", choices=sorted(MODES), default="medusa", help="the drafter to train")
     p.add_argument("--data", choices=["distill", "text"], default="distill",
                    help="drafter training text: the base's own greedy continuations, or the corpus itself")
-    p.add_argument("--base", type=Path, help="an existing HF model dir (with tokenizer.json) instead of the demo")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--base", type=Path, help="an existing HF model dir (with tokenizer.json); unset: train the "
+                   "demo base too")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order and initialisation")
     p.add_argument("--seconds-budget", type=float, default=None,
                    help="stop training early past this many seconds (gives up determinism)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (unset: torch's choice)")
     p.add_argument("--tiny", action="store_true", help="seconds-long smoke run (tests)")
     for f in dataclasses.fields(DemoSpec):  # --base-steps, --drafter-steps, --hidden-size, ...
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)), default=None)
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)), default=None,
+                       help=f"the demo spec's {f.name} (unset: {getattr(defaults, f.name)!r}; --tiny: "
+                            f"{getattr(DemoSpec.tiny(), f.name)!r})")
     args = p.parse_args(argv)
 
     if args.threads:

@@ -148,19 +148,10 @@ def medusa_reference_tokens(model, seq: list[int], tree) -> list[int]:
 
 @contextlib.contextmanager
 def captured_steps(decoder):
-    """Record every tree the decoder verifies: [(done flags, trees, tokens (B, T), root positions (B,))]."""
-    steps = []
-    original = decoder._verify_and_accept
-
-    def spy(kv, seqs, sampler, stats, trees, tokens, pos, *args, **kwargs):
-        steps.append(([bool(s.done) for s in seqs], list(trees), np.array(tokens), np.array(pos)))
-        return original(kv, seqs, sampler, stats, trees, tokens, pos, *args, **kwargs)
-
-    decoder._verify_and_accept = spy
-    try:
-        yield steps
-    finally:
-        del decoder._verify_and_accept
+    """Record every tree the decoder verifies (graphs.engine.VerifyRecord: request, tree, tokens, root
+    position, accepted nodes), through the decoder's public watch_verify()."""
+    with decoder.watch_verify() as records:
+        yield records
 
 
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -180,31 +171,28 @@ def torch_model(model_dir) -> torch.nn.Module:
 
 
 def check_drafts(model, prompts, results, steps, *, eagle_cfg: dict | None = None, atol: float = 1e-4) -> int:
-    """Assert every live sequence's tree in ``steps`` equals the reference's; returns how many were checked.
+    """Assert every verified tree in ``steps`` (VerifyRecords) equals the reference's; returns how many were checked.
 
     ``results``: the generation results (their tokens give each step's context); ``eagle_cfg``
     (topk, depth, total_tokens) for EAGLE, None for Medusa.
     """
     checked = 0
-    for i, (done, trees, tokens, pos) in enumerate(steps):
-        for b, tree in enumerate(trees):
-            if done[b]:
-                continue
-            full = list(prompts[b]) + list(results[b].token_ids)
-            p = int(pos[b])
-            assert p < len(full), f"step {i} seq {b}: root position {p} beyond the output"
-            seq = full[: p + 1]
-            got = tokens[b, : tree.size].tolist()
-            assert got[0] == seq[-1], f"step {i} seq {b}: root token {got[0]} is not the last emitted {seq[-1]}"
-            where = f"step {i} seq {b} (context of {p} tokens)"
-            if eagle_cfg is None:
-                want = medusa_reference_tokens(model, seq, tree)
-                assert got == want, f"{where}: Medusa candidates {got} != reference {want}"
-            else:
-                ref = eagle_reference_tree(model, seq, **eagle_cfg)
-                parents = tree.parents.tolist()
-                assert parents == ref.parents, f"{where}: parents {parents} != {ref.parents}"
-                assert got == ref.tokens, f"{where}: tokens {got} != reference {ref.tokens}"
-                np.testing.assert_allclose(tree.score, ref.scores, atol=atol, err_msg=f"{where}: scores")
-            checked += 1
+    for i, rec in enumerate(steps):
+        b, tree, p = rec.request_id, rec.tree, int(rec.position)
+        full = list(prompts[b]) + list(results[b].token_ids)
+        assert p < len(full), f"step {i} seq {b}: root position {p} beyond the output"
+        seq = full[: p + 1]
+        got = np.asarray(rec.tokens)[: tree.size].tolist()
+        assert got[0] == seq[-1], f"step {i} seq {b}: root token {got[0]} is not the last emitted {seq[-1]}"
+        where = f"step {i} seq {b} (context of {p} tokens)"
+        if eagle_cfg is None:
+            want = medusa_reference_tokens(model, seq, tree)
+            assert got == want, f"{where}: Medusa candidates {got} != reference {want}"
+        else:
+            ref = eagle_reference_tree(model, seq, **eagle_cfg)
+            parents = tree.parents.tolist()
+            assert parents == ref.parents, f"{where}: parents {parents} != {ref.parents}"
+            assert got == ref.tokens, f"{where}: tokens {got} != reference {ref.tokens}"
+            np.testing.assert_allclose(tree.score, ref.scores, atol=atol, err_msg=f"{where}: scores")
+        checked += 1
     return checked

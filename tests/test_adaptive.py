@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
-from graphs.adaptive import AdaptiveConfig, AdaptivePolicy, counterfactual_gain, cut_tree, sub_tree
+from graphs.adaptive import (
+    IDLE,
+    SPEC_ADAPTIVE,
+    SPEC_OFF,
+    SPEC_ON,
+    AdaptiveConfig,
+    Costs,
+    Planner,
+    RowGains,
+    counterfactual_gain,
+    cut_tree,
+    sub_tree,
+)
 from graphs.sampling import greedy_accept
 from graphs.trees import Tree
 
@@ -47,32 +61,35 @@ def test_greedy_walk_in_a_cut_tree_is_the_predicted_prefix(seed):
         assert len(got) == gain[n - 1]
 
 
-def _run(policy: AdaptivePolicy, steps: int, gain_of, cost_of, draft: float) -> list[int]:
-    """Drive the policy with a synthetic model: a full tree accepts a chain of gain_of(step) tokens."""
-    chain = Tree.from_parents(list(range(-1, policy.t - 1)), score=-np.arange(policy.t, dtype=float))
-    live = np.array([True])
-    sizes = []
+def _run(planner: Planner, t: int, steps: int, gain_of, cost_of, draft: float, rows: int = 1) -> list[int]:
+    """Drive the planner with a synthetic model: ``rows`` adaptive requests whose full chain of ``t``
+    nodes accepts gain_of(step) tokens; a call over rows x width tokens costs cost_of(rows * width)."""
+    chain = Tree.from_parents(list(range(-1, t - 1)), score=-np.arange(t, dtype=float))
+    gains = [RowGains(t) for _ in range(rows)]
+    modes, full = np.full(rows, SPEC_ADAPTIVE), np.full(rows, t)
+    widths = []
     for i in range(steps):
-        n = int(policy.plan(live)[0])
-        sizes.append(n)
-        if n == 1:
-            policy.observe(None, [[0]], 1, cost_of(1), None, live)
-        else:
-            acc = list(range(min(gain_of(i), n)))
-            policy.observe([sub_tree(chain, cut_tree(chain, n))], [acc], n, cost_of(n), draft, live)
-    return sizes
+        sizes = planner.plan(modes, full, [g.predicted() for g in gains])
+        w = int(sizes.max())
+        widths.append(w)
+        planner.costs.add_verify(rows * w, cost_of(rows * w))
+        planner.costs.add_host(w > 1, 0.0)
+        if w > 1:
+            planner.costs.add_draft(rows, draft)
+            for g, n in zip(gains, sizes):
+                g.observe(sub_tree(chain, cut_tree(chain, int(n))), list(range(min(gain_of(i), int(n)))))
+    return widths
 
 
 def test_speculates_when_it_pays():
-    p = AdaptivePolicy(1, 6)
-    sizes = _run(p, 30, gain_of=lambda i: 5, cost_of=lambda n: 1.0 + 0.05 * n, draft=0.2)
+    sizes = _run(Planner(), 6, 30, gain_of=lambda i: 5, cost_of=lambda n: 1.0 + 0.05 * n, draft=0.2)
     assert sizes[0] == 6 and sizes[1] == 1  # a full tree, then one plain step to measure its cost
     assert all(s > 1 for s in sizes[2:])
 
 
 def test_falls_back_to_plain_steps_and_probes_less_and_less():
-    p = AdaptivePolicy(1, 6, AdaptiveConfig(probe_every=2, max_probe_every=8))
-    sizes = _run(p, 60, gain_of=lambda i: 1, cost_of=lambda n: 1.0 + 0.1 * n, draft=0.5)
+    p = Planner(AdaptiveConfig(probe_every=2, max_probe_every=8))
+    sizes = _run(p, 6, 60, gain_of=lambda i: 1, cost_of=lambda n: 1.0 + 0.1 * n, draft=0.5)
     assert sizes.count(1) > 45
     probes = [i for i, s in enumerate(sizes) if s > 1][1:]
     gaps = np.diff(probes)
@@ -80,14 +97,100 @@ def test_falls_back_to_plain_steps_and_probes_less_and_less():
 
 
 def test_grows_back_when_the_text_becomes_predictable():
-    p = AdaptivePolicy(1, 6, AdaptiveConfig(probe_every=2, max_probe_every=4))
-    sizes = _run(p, 60, gain_of=lambda i: 1 if i < 20 else 6, cost_of=lambda n: 1.0 + 0.05 * n, draft=0.2)
+    p = Planner(AdaptiveConfig(probe_every=2, max_probe_every=4))
+    sizes = _run(p, 6, 60, gain_of=lambda i: 1 if i < 20 else 6, cost_of=lambda n: 1.0 + 0.05 * n, draft=0.2)
     assert sizes[10:20].count(1) >= 7
     assert all(s > 1 for s in sizes[35:])
 
 
 def test_picks_a_smaller_tree_when_the_tail_does_not_pay():
     """Acceptance stops at 3 tokens while each node costs a lot: a 3-node tree is the best buy."""
-    p = AdaptivePolicy(1, 6)
-    sizes = _run(p, 20, gain_of=lambda i: 3, cost_of=lambda n: 1.0 + 0.3 * (n - 1), draft=0.1)
+    sizes = _run(Planner(), 6, 20, gain_of=lambda i: 3, cost_of=lambda n: 1.0 + 0.3 * (n - 1), draft=0.1)
     assert sizes[-1] == 3
+
+
+def test_trees_shrink_smoothly_as_the_batch_grows():
+    """Load-aware: the same requests and a compute-bound cost per token row pick narrower trees as
+    more rows share the call, down to plain steps, one width at a time (no cliff)."""
+    def cost(tokens):  # fixed cost, then compute-bound past 16 token rows
+        return 1.0 + 0.02 * tokens + 0.1 * max(0, tokens - 16)
+
+    last = []
+    for rows in (1, 2, 3, 4, 8, 16):  # accepted chains of 1..6 tokens, in turn
+        last.append(_run(Planner(AdaptiveConfig(max_probe_every=1000)), 8, 60, gain_of=lambda i: i % 6 + 1,
+                         cost_of=cost, draft=0.05, rows=rows)[-1])
+    assert last[0] >= 4 and last[-1] == 1
+    assert all(a >= b for a, b in itertools.pairwise(last))  # never wider with more load
+    assert any(1 < w < last[0] for w in last)  # a narrower tree before plain steps: no cliff
+
+
+def test_on_and_off_rows_keep_their_setting():
+    """SPEC_ON rows always verify their full tree (the width is at least theirs), SPEC_OFF rows one
+    token, idle (prefilling) rows nothing; adaptive rows take min(width, their tree)."""
+    p = Planner()
+    p.costs.add_verify(4, 1.0)
+    p.costs.add_verify(40, 100.0)  # wide calls are ruinous: adaptive alone would go plain
+    p.costs.add_draft(4, 0.1)
+    p.costs.add_host(False, 0.0)
+    p.costs.add_host(True, 0.0)
+    modes = np.array([SPEC_ON, SPEC_OFF, IDLE, SPEC_ADAPTIVE])
+    full = np.array([3, 1, 1, 8])
+    g = np.arange(1, 9, dtype=float)
+    sizes = p.plan(modes, full, [g, None, None, g])
+    assert sizes.tolist()[:3] == [3, 1, 0] and 1 < sizes[3] <= 8
+    assert p.plan(np.array([SPEC_ADAPTIVE]), np.array([8]), [np.ones(8)]).tolist() == [1]  # nothing gained
+
+
+def _priced(verify: dict, draft: float = 0.0, rows: int = 1, host_plain: float = 0.0, host_spec: float = 0.0,
+            cfg: AdaptiveConfig | None = None) -> Planner:
+    p = Planner(cfg or AdaptiveConfig(probe_every=64, max_probe_every=64))
+    for tokens, t in verify.items():
+        p.costs.add_verify(tokens, t)
+    p.costs.add_draft(rows, draft)
+    p.costs.add_host(False, host_plain)
+    p.costs.add_host(True, host_spec)
+    return p
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("eps", "want"), [(-1e-3, 3), (1e-3, 4)])
+def test_the_best_width_wins_at_its_boundary(rows, eps, want):
+    """Widths 3 and 4 priced to tie, then one nudged past the other: the planner picks the better one,
+    for one row and for a batch (the cost is by token rows: rows x width)."""
+    gains = np.array([1.0, 2.0, 3.0, 4.0])  # every node accepted: tokens = width
+    # rate(3) = 3 / c3, rate(4) = 4 / c4: tie at c4 = 4/3 c3; c3 = 1 + eps tips it
+    p = _priced({rows: 1.0, 3 * rows: 1.0 + eps, 4 * rows: 4 / 3}, rows=rows)
+    sizes = p.plan(np.full(rows, SPEC_ADAPTIVE), np.full(rows, 4), [gains] * rows)
+    assert sizes.tolist() == [want] * rows
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_margin_boundary_for_a_batch(rows):
+    margin = 1.05
+    for gain, spec in ((2 * margin * 1.001, True), (2 * margin * 0.999, False)):
+        p = _priced({rows: 1.0, 2 * rows: 2.0}, rows=rows, cfg=AdaptiveConfig(margin=margin, probe_every=64,
+                                                                               max_probe_every=64))
+        sizes = p.plan(np.full(rows, SPEC_ADAPTIVE), np.full(rows, 2), [np.array([1.0, gain])] * rows)
+        assert bool(sizes.max() == 2) is spec and len(set(sizes.tolist())) == 1
+
+
+@pytest.mark.parametrize("wait", [2, 5])
+def test_a_probe_comes_right_after_the_wait(wait):
+    """plain_run counts plain decisions; at plain_run == wait the step is still plain, the next probes."""
+    p = _priced({1: 1.0, 3: 3.0}, draft=1.0, cfg=AdaptiveConfig(probe_every=wait, max_probe_every=64))
+    modes, full, g = np.array([SPEC_ADAPTIVE]), np.array([3]), [np.array([1.0, 1.0, 1.0])]
+    widths = [int(p.plan(modes, full, g)[0]) for _ in range(wait + 1)]
+    assert widths == [1] * wait + [3] and p.probing
+    assert int(p.plan(modes, full, g)[0]) == 1 and p.wait == 2 * wait  # the probe lost: wait twice as long
+
+
+def test_verify_cost_estimates_interpolate_and_extrapolate():
+    c = Costs()
+    c.add_verify(2, 1.0)
+    c.add_verify(10, 3.0)
+    assert c.verify_cost(6) == pytest.approx(2.0)  # linear between measured points
+    assert c.verify_cost(20) == pytest.approx(6.0)  # past the largest: proportional (compute-bound)
+    assert c.verify_cost(1) == pytest.approx(1.0)  # below the smallest: the smallest
+    assert np.allclose(c.verify_cost(np.array([2, 6, 20])), [1.0, 2.0, 6.0])
+    c.add_verify(2, 2.0)  # an average, weighted ema to the newest
+    assert c.verify[2] == pytest.approx(0.85 * 1.0 + 0.15 * 2.0)

@@ -15,8 +15,12 @@ from test_runtime import N_NEW, PROMPTS, autoregressive_tokens, references, trai
 from test_spec_sampling import P_MIN, chi_square, exact_joint, sample_counts, setup  # noqa: F401 (fixture)
 
 from graphs.adaptive import (
+    IDLE,
+    SPEC_ADAPTIVE,
+    SPEC_OFF,
     AdaptiveConfig,
-    AdaptivePolicy,
+    Planner,
+    RowGains,
     counterfactual_gain,
     cut_tree,
     plain_inputs,
@@ -69,56 +73,49 @@ def test_gain_predicts_the_greedy_walk_on_cut_medusa_trees(seed):
         assert len(got) == gain[n - 1]
 
 
+def _costs(p: Planner, verify: dict, draft: float, host_plain: float, host_spec: float) -> Planner:
+    for tokens, t in verify.items():
+        p.costs.add_verify(tokens, t)
+    p.costs.add_draft(1, draft)
+    p.costs.add_host(False, host_plain)
+    p.costs.add_host(True, host_spec)
+    return p
+
+
 def test_host_time_decides_when_graph_costs_tie():
     """Equal graph costs, a tree that gains 1.5 tokens: drafted steps whose host work costs as much
     as a verify lose to plain steps; cheap host work wins."""
     for host_spec, want in ((0.0, 4), (1.0, 1)):
-        p = AdaptivePolicy(1, 4)
-        p.verify[:] = 1.0
-        p.draft, p.host_plain, p.host_spec = 0.0, 0.0, host_spec
-        p.gain[0] = [1.0, 1.5, 1.5, 1.5]
-        p.wait = 1000  # no probe
-        assert int(p.plan(np.array([True]))[0]) in ((2, 3, 4) if want > 1 else (1,))
+        p = _costs(Planner(AdaptiveConfig(probe_every=64)), {1: 1.0, 4: 1.0}, 0.0, 0.0, host_spec)
+        got = int(p.plan(np.array([SPEC_ADAPTIVE]), np.array([4]), [np.array([1.0, 1.5, 1.5, 1.5])])[0])
+        assert got in ((2, 3, 4) if want > 1 else (1,))
 
 
-def test_host_time_is_measured_between_plans():
-    p = AdaptivePolicy(1, 3)
-    live = np.array([True])
-    p.plan(live)
-    p.observe(None, [[0]], 1, 0.0, None, live)  # a plain step with free graphs: all wall time is host
-    p.plan(live)
-    assert p.host_plain >= 0 and np.isnan(p.host_spec)
-    chain = Tree.from_parents([-1, 0, 1], score=np.array([0.0, -1, -2]))
-    p.observe([chain], [[0, 1]], 3, 0.0, 0.0, live)
-    p.plan(live)
-    assert p.host_spec >= 0
+def test_the_margin_is_a_boundary():
+    """A tree predicted just above margin x a plain step's rate speculates; just below, it does not."""
+    margin = 1.05
+    for gain, want_spec in ((2 * margin * 1.001, True), (2 * margin * 0.999, False)):
+        p = _costs(Planner(AdaptiveConfig(margin=margin, probe_every=64)), {1: 1.0, 2: 2.0}, 0.0, 0.0, 0.0)
+        width = int(p.plan(np.array([SPEC_ADAPTIVE]), np.array([2]), [np.array([1.0, gain])])[0])
+        assert (width == 2) is want_spec, (gain, width)
 
 
-def test_carry_seeds_costs_and_the_long_run_gain():
-    cfg = AdaptiveConfig(probe_every=2, max_probe_every=16)
-    a = AdaptivePolicy(2, 3, cfg)
-    a.verify[1], a.verify[3], a.draft, a.host_plain, a.host_spec = 1.0, 2.0, 0.5, 0.1, 0.2
-    a.gain[0], a.gain[1] = [1, 1, 1], [1, 1, np.nan]  # the last text was hard...
-    a.long_gain, a.long_n = np.array([1.0, 3.0, 4.0]), 40  # ...but speculation pays in the long run
-    a.wait, a.plain_run = 8, 3
-    b = AdaptivePolicy(3, 3, cfg).carry(a)
-    assert b.verify[1] == 1.0 and b.verify[3] == 2.0 and (b.draft, b.host_plain, b.host_spec) == (0.5, 0.1, 0.2)
-    assert b.gain.shape == (3, 3) and np.allclose(b.gain, [[1, 3, 4]] * 3) and b.long_n == 40
-    assert (b.wait, b.plain_run) == (2, 0)  # speculates from the start, probes soon if that changes
-    assert int(b.plan(np.ones(3, dtype=bool)).min()) > 1
-    a.long_gain = np.array([1.0, 1.05, 1.1])  # speculation does not pay here: start plain, keep the wait
-    c = AdaptivePolicy(1, 3, cfg).carry(a)
-    assert (c.wait, c.plain_run) == (8, 3) and int(c.plan(np.ones(1, dtype=bool))[0]) == 1
-    assert np.isnan(AdaptivePolicy(1, 4).carry(a).gain).all()  # another tree size: nothing carried
+def test_long_run_prior_is_the_mean_of_every_observation():
+    p = Planner()
+    for g in ([1.0, 1.0, 1.0], [1.0, 2.0, 3.0], [1.0, 2.0, 2.0]):
+        p.learn("k", np.array(g))
+    assert np.allclose(p.prior("k"), [1, 5 / 3, 2]) and p.priors["k"][1] == 3
+    assert p.prior("other") is None
+    assert np.allclose(RowGains(3, p.prior("k")).gain, [1, 5 / 3, 2])  # a new request starts from it
 
 
-def test_long_run_gain_is_the_mean_of_every_observation():
-    p = AdaptivePolicy(1, 3)
-    chain = Tree.from_parents([-1, 0, 1], score=np.array([0.0, -1, -2]))
-    live = np.array([True])
-    for acc in ([0], [0, 1, 2], [0, 1]):
-        p.observe([chain], [acc], 3, 1.0, 0.1, live)
-    assert np.allclose(p.long_gain, [1, (1 + 2 + 2) / 3, (1 + 3 + 2) / 3]) and p.long_n == 3
+def test_a_lucky_probe_halves_the_wait_instead_of_resetting_it():
+    p = _costs(Planner(AdaptiveConfig(probe_every=2, max_probe_every=64)), {1: 1.0, 3: 1.0}, 0.2, 0.0, 0.0)
+    p.wait, p.plain_run = 32, 32
+    modes, full = np.array([SPEC_ADAPTIVE]), np.array([3])
+    assert int(p.plan(modes, full, [np.ones(3)])[0]) == 3 and p.probing  # past the wait: a probe
+    assert int(p.plan(modes, full, [np.array([1.0, 2.0, 3.0])])[0]) == 3  # the probe accepted everything
+    assert p.wait == 16
 
 
 def test_plain_inputs():
@@ -131,32 +128,38 @@ def test_plain_inputs():
 # The loops, forced to switch
 
 
-class Alternating(AdaptivePolicy):
-    """Switches every step, whatever it measures: a full tree, a plain step, then per-sequence cuts
-    of every size (some sequences root-only inside a drafted step). Deterministic, so a seeded run
-    with it is reproducible."""
+class Alternating(Planner):
+    """Switches every step, whatever it measures: full trees, a plain step, then per-row cuts of every
+    size (some rows root-only inside a drafted step). Deterministic, so a seeded run with it is
+    reproducible."""
 
-    def __init__(self, batch: int, tree_size: int, offset: int = 0):
-        super().__init__(batch, tree_size)
+    def __init__(self, offset: int = 0):
+        super().__init__()
         self.offset = offset
 
-    def plan(self, live: np.ndarray) -> np.ndarray:
-        k, bsz = len(self.history) + self.offset, self.gain.shape[0]
+    def plan(self, modes, full, gains):
+        k = len(self.history) + self.offset
+        n = len(modes)
         if k % 3 == 0:
-            return np.full(bsz, self.t)
-        if k % 3 == 1:
-            return np.ones(bsz, dtype=np.int64)
-        return 1 + (np.arange(bsz) + k) % self.t
+            sizes = full.copy()
+        elif k % 3 == 1:
+            sizes = np.ones(n, dtype=np.int64)
+        else:
+            sizes = 1 + (np.arange(n) + k) % full
+        sizes = np.where(modes == IDLE, 0, np.where(modes == SPEC_OFF, 1, sizes))
+        self.history.append(int(sizes.max()))
+        self.last_width = int(sizes.max())
+        return sizes
 
 
 def _force(monkeypatch, decoder, offset: int = 0) -> list[Alternating]:
     made: list[Alternating] = []
 
-    def new_policy(bsz, tree_size, sampler, key):
-        made.append(Alternating(bsz, tree_size, offset))
+    def new_planner():
+        made.append(Alternating(offset))
         return made[-1]
 
-    monkeypatch.setattr(decoder, "_new_policy", new_policy)
+    monkeypatch.setattr(decoder, "new_planner", new_planner)
     return made
 
 
@@ -177,7 +180,7 @@ def test_forced_switching_keeps_greedy_exact(trained, autoregressive_tokens, mon
     assert s.plain_steps == widths.count(1) > 0 and s.speculative_steps == len(widths) - widths.count(1) > 0
     calls = {"medusa": 1, "one_call": 1}.get(kind if kind == "medusa" else draft)
     if calls is None:  # step-wise: 1 + depth drafter calls per drafted step
-        calls = 1 + dec._eagle_tree(None)["depth"]
+        calls = 1 + dec.eagle_tree(None)["depth"]
     assert s.draft_calls == calls * s.speculative_steps
     assert max(s.accepted) > 2  # cut trees were still accepted: the drafter's rows caught up after plain steps
     assert s.to_json()["plain_steps"] == s.plain_steps
@@ -190,12 +193,20 @@ def test_the_real_policy_keeps_greedy_exact_and_seeds_the_next_run(trained, auto
     t = trained(kind)
     dec = graphs.load(t.out_dir, provider="cpu", threads=1, eagle_draft=draft)  # adaptive: the default
     assert [r.token_ids for r in dec.generate(PROMPTS[4:7], max_new_tokens=N_NEW)] == autoregressive_tokens[4:7]
-    first = dec.last_policy
-    assert first is not None and len(first.history) == dec.last_stats.steps
-    assert [r.token_ids for r in dec.generate(PROMPTS[7:10], max_new_tokens=N_NEW)] == autoregressive_tokens[7:10]
-    second, s = dec.last_policy, dec.last_stats
-    assert second is not first and len(dec._policies) == 1  # one setting: the second run carried the first
-    assert s.plain_steps == second.history.count(1) and s.speculative_steps == len(second.history) - s.plain_steps
+    assert dec.costs.verify and dec.costs.draft and len(dec.priors) == 1  # what the machine measured
+    measured = dict(dec.costs.verify)
+    with dec.watch_verify() as records:
+        results = dec.generate(PROMPTS[7:10], max_new_tokens=N_NEW)
+    assert [r.token_ids for r in results] == autoregressive_tokens[7:10]
+    s = results[0].stats
+    # one setting: the second run carried the first's costs and gains
+    assert len(dec.priors) == 1 and set(measured) <= set(dec.costs.verify)
+    steps: dict[int, list[int]] = {}
+    for rec in records:  # one record per (step, live row): a step is plain if no row drafted
+        steps.setdefault(rec.step, []).append(rec.tree.size)
+    assert len(records) == len(s.accepted) and len(steps) == s.steps
+    assert s.plain_steps == sum(max(sizes) == 1 for sizes in steps.values())
+    assert s.speculative_steps == s.steps - s.plain_steps > 0
 
 
 def test_seeded_sampling_stays_reproducible_and_policy_free(trained):  # noqa: F811
@@ -203,7 +214,7 @@ def test_seeded_sampling_stays_reproducible_and_policy_free(trained):  # noqa: F
 
     dec = graphs.load(trained("medusa").out_dir, provider="cpu", threads=1)
     a = dec.generate(PROMPTS[:2], max_new_tokens=N_NEW, temperature=0.9, seed=5)
-    assert dec.last_policy is None and a[0].stats.plain_steps == 0
+    assert a[0].stats.plain_steps == 0  # speculation "on": trees that do not follow measured times
     b = dec.generate(PROMPTS[:2], max_new_tokens=N_NEW, temperature=0.9, seed=5)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
@@ -230,64 +241,3 @@ def test_forced_switching_keeps_the_base_distribution(setup, monkeypatch, kind, 
     stat, dof, p = chi_square(counts, exact_joint(base))
     print(f"\n{kind} adaptive (forced): chi2 {stat:.1f} dof {dof} p {p:.3g} tau {np.mean(taus):.2f}")
     assert p > P_MIN
-
-
-def test_plain_decisions_are_reused_until_a_recheck_or_the_probe(monkeypatch):
-    """While plain, plan() decides again only every recheck_every steps (a plain step's host work
-    stays near autoregressive's), and still probes on time."""
-    p = AdaptivePolicy(1, 4, AdaptiveConfig(probe_every=4, max_probe_every=64, recheck_every=3))
-    p.verify[:] = 1.0
-    p.draft, p.host_plain, p.host_spec = 1.0, 0.0, 0.0
-    p.gain[0] = [1.0, 1.1, 1.1, 1.1]
-    p.wait = 10
-    calls = []
-    real = p.rates
-    monkeypatch.setattr(p, "rates", lambda b: calls.append(b) or real(b))
-    live = np.array([True])
-    sizes = []
-    for _ in range(12):
-        n = int(p.plan(live)[0])
-        sizes.append(n)
-        if n == 1:
-            p.observe(None, [[0]], 1, 1.0, None, live)
-        else:
-            break
-    assert sizes == [1] * 10 + [4]  # the probe comes after `wait` plain steps
-    assert len(calls) == 5  # decided at plain_run 0, 3, 6, 9 and 10 (the probe)
-
-
-def test_a_lucky_probe_halves_the_wait_instead_of_resetting_it():
-    p = AdaptivePolicy(1, 3, AdaptiveConfig(probe_every=2, max_probe_every=64))
-    p.verify[:] = 1.0
-    p.draft, p.host_plain, p.host_spec = 0.2, 0.0, 0.0
-    p.gain[0] = [1.0, 1.0, 1.0]
-    p.wait, p.plain_run = 32, 32
-    chain = Tree.from_parents([-1, 0, 1], score=np.array([0.0, -1, -2]))
-    live = np.array([True])
-    p.observe([chain], [[0, 1, 2]], 3, 1.0, 0.2, live)  # the probe accepted everything
-    assert p.plan_is_speculative(0)
-    assert p.wait == 16
-
-
-def test_a_clearly_paying_full_tree_is_kept_without_deciding_every_step(monkeypatch):
-    """While the full tree beats a plain step by fast_margin, plan() decides (and observe() updates
-    gains) only every recheck_every drafted steps; when the gain collapses the next decision sees it."""
-    p = AdaptivePolicy(1, 3, AdaptiveConfig(recheck_every=4, fast_margin=1.25))
-    p.verify[:] = 1.0
-    p.draft, p.host_plain, p.host_spec = 0.2, 0.0, 0.0
-    p.gain[0] = [1.0, 2.0, 3.0]  # full tree: 3 tokens / 1.2 s vs 1 / 1 s plain: 2.5x
-    chain = Tree.from_parents([-1, 0, 1], score=np.array([0.0, -1, -2]))
-    calls = []
-    real = p.rates
-    monkeypatch.setattr(p, "rates", lambda b: calls.append(b) or real(b))
-    live = np.array([True])
-    for _ in range(8):
-        assert int(p.plan(live)[0]) == 3
-        p.observe([chain], [[0, 1, 2]], 3, 1.0, 0.2, live)
-    assert len(calls) == 3  # plan() decided at steps 0 and 4 only, observe() checked step 4 (without: 15)
-    for _ in range(40):  # nothing accepted any more: the policy must notice and go plain
-        n = int(p.plan(live)[0])
-        if n == 1:
-            break
-        p.observe([chain], [[0]], 3, 1.0, 0.2, live)
-    assert n == 1

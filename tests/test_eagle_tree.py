@@ -75,15 +75,9 @@ def test_tree_outputs_are_consistent(exported):
     """parents < index, depth = parent's + 1, the mask is ancestor-or-self, scores fall along paths."""
     out = exported("eagle")
     dec = graphs.load(out, provider="cpu", adaptive=False, eagle_draft="one_call")
-    seen = []
-    original = dec._verify_and_accept
-
-    def spy(kv, seqs, sampler, stats, trees, tokens, pos, *a, **k):
-        seen.extend(trees)
-        return original(kv, seqs, sampler, stats, trees, tokens, pos, *a, **k)
-
-    dec._verify_and_accept = spy
-    dec.generate([[5, 6, 7], [8, 9]], max_new_tokens=6)
+    with dec.watch_verify() as records:
+        dec.generate([[5, 6, 7], [8, 9]], max_new_tokens=6)
+    seen = [rec.tree for rec in records]
     assert seen
     for tree in seen:
         ref = Tree.from_parents(tree.parents)

@@ -36,7 +36,7 @@ def test_cuda_float16_one_call_tree_equals_autoregressive(exported, tmp_path, ki
     role = C.eagle_tree_role(2, 3, 6)
     assert Manifest.read(out).optimization[role]["dtype"] == "float16"
     dec = graphs.load(out, provider="cuda", eagle_draft="one_call", adaptive=False)
-    assert dec.provider == "cuda" and dec.io_binding
+    assert dec.provider == "cuda"
     ar = dec.generate(PROMPTS, max_new_tokens=24, mode="autoregressive")
     sp = dec.generate(PROMPTS, max_new_tokens=24)
     assert [r.token_ids for r in sp] == [r.token_ids for r in ar]

@@ -198,6 +198,48 @@ def test_non_editable_install_runs_the_main_command_twice(installed, tmp_path):
     assert "replacing the earlier demo export in spec-demo/onnx" in second.stdout
 
 
+def _service_recipe() -> list[str]:
+    """The README's service install lines (the code block after its ``service-recipe`` marker)."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("<!-- service-recipe -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_readmes_service_recipe_installs_a_runtime_without_torch(tmp_path, exported):
+    """The README's three lines, as written (pip's installs pointed at a target directory instead of
+    this environment): the wheel builds from the checkout, installs without its exporter
+    dependencies, and decodes an export with torch and transformers unimportable."""
+    import shlex
+    import shutil
+
+    build, deps, wheel = _service_recipe()
+    assert build.startswith("pip wheel --no-deps -w dist")
+    assert deps.startswith("pip install numpy tokenizers onnxruntime")
+    assert wheel.startswith("pip install --no-deps dist/")
+    src = tmp_path / "checkout"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                              "spec-demo", "runs", ".*_cache"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    for line, extra in ((build, []), (deps, ["--dry-run"]), (wheel, ["--target", str(tmp_path / "site")])):
+        proc = subprocess.run([*pip, *shlex.split(line)[1:], *extra], cwd=src, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, f"{line}: {proc.stderr[-2000:]}"
+    site = tmp_path / "site"
+    assert (site / "graphs" / "engine.py").is_file() and not (site / "torch").exists()
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(textwrap.dedent(BLOCKER.format(blocked=("torch", "transformers"))))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker), str(site)])
+    code = (f"import graphs; d = graphs.load({str(exported('medusa'))!r}, provider='cpu'); "
+            "print(graphs.__file__); print(len(d.generate([5, 9, 3], max_new_tokens=6).token_ids))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path, n = proc.stdout.split()
+    assert path.startswith(str(site)) and n == "6"
+
+
 def test_the_packages_never_import_samples_or_tests():
     """``samples/`` and ``tests/`` are not installed: nothing in exporter/ or graphs/ may import them."""
     import ast

@@ -27,16 +27,11 @@ CLIS = {"exporter.export", "exporter.optimize", "exporter.tune", "exporter.compa
 PIPELINE = {"exporter.pipeline"}
 BENCHMARK_PREFIX = "exporter.benchmark"  # the benchmark and bench --variants: above the pipeline
 
-# Known exceptions in graphs/, which the lead is rewriting in another branch (remove each entry when
-# that branch lands): the cycle graphs.eagle_draft <-> graphs.runtime, and the private names
-# graphs.adaptive takes from graphs.trees and graphs.eagle_draft from graphs.runtime.
-KNOWN_CYCLES = {frozenset({"graphs.eagle_draft", "graphs.runtime"})}
-KNOWN_PRIVATE = {
-    ("graphs.adaptive", "graphs.trees", "_HEAD_DECAY"),
-    ("graphs.adaptive", "graphs.trees", "_RANK_DECAY"),
-    ("graphs.adaptive", "graphs.trees", "_TOP1"),
-    ("graphs.eagle_draft", "graphs.runtime", "_full_mask"),
-}
+# Known exceptions: none. (Until the runtime rewrite landed, graphs.eagle_draft <-> graphs.runtime was
+# a cycle and graphs.adaptive / graphs.eagle_draft took private names from graphs.trees / graphs.runtime.)
+# An entry here is a frozenset of the modules of a cycle, or (importer, imported, name).
+KNOWN_CYCLES: set[frozenset[str]] = set()
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 
 
 def modules(root: Path = REPO) -> dict[str, Path]:

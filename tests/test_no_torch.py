@@ -65,7 +65,7 @@ def calls(out_dir):
         "stream": [e.token_ids for e in dec.stream([8, 6], max_new_tokens=7)],
     }
     if dec.kind:
-        res["mean_accepted_length"] = dec.last_stats.mean_accepted_length > 0
+        res["mean_accepted_length"] = dec.generate([5, 9, 3], max_new_tokens=12).stats.mean_accepted_length > 0
         res["speculative"] = dec.generate([5, 9, 3], max_new_tokens=12, mode="speculative").token_ids
     return res
 """

@@ -148,25 +148,51 @@ def test_generate_cli_says_what_it_used(exported, tmp_path):
 MULTIBYTE = "héllo wörld, 日本語 ok → ✓ ç ñ € Ω"  # every byte in the tiny tokenizer's vocabulary
 
 
-def _scripted(dec, ids: list[int], chunks=(1, 3, 2)):
-    """Make ``dec`` emit exactly ``ids`` in steps of 1, 3, 2, ... tokens (speculative-like chunks)."""
+def _scripted(monkeypatch, ids: list[int], chunks=(1, 3, 2)):
+    """Make every request emit exactly ``ids``: the first token from the prefill, then steps of 1, 3,
+    2, ... tokens (speculative-like chunks): the proposer drafts a chain of the next scripted tokens
+    and the sampler accepts all of it, the next one as the bonus (public engine parts, patched)."""
+    from graphs import proposers, results
+    from graphs.trees import Tree
 
-    def steps(seqs, sampler, stats, tree, max_new):
-        i, k = 0, 0
-        while True:
-            n = chunks[k % len(chunks)]
-            yield [(b, ids[i : i + n]) for b in range(len(seqs))]
-            i, k = i + n, k + 1
+    pointer: dict[int, list] = {}  # id(request) -> [request (kept alive), next index into ids]
+    planned: dict[int, int] = {}  # id(tree) -> the index of its bonus token
+    step = [0]
 
-    dec._autoregressive = steps
-    dec._speculative = steps
+    def token(self, logits):
+        return ids[0]
+
+    def propose(self, rows, sizes):
+        n = chunks[step[0] % len(chunks)]
+        step[0] += 1
+        out = []
+        for r in rows:
+            if r is None:
+                out.append((Tree.from_parents([-1]), np.array([0])))
+                continue
+            i = pointer.setdefault(id(r), [r, 1])[1]
+            chain = ids[i : i + n - 1]
+            tree = Tree.from_parents(list(range(-1, len(chain))))
+            planned[id(tree)] = i + len(chain)
+            pointer[id(r)][1] = i + len(chain) + 1
+            out.append((tree, np.array([r.root, *chain])))
+        return out, 0.0, 0
+
+    def accept(self, tree, tokens, logits):
+        j = planned.pop(id(tree))
+        return list(range(tree.size)), ids[j] if j < len(ids) else 0
+
+    monkeypatch.setattr(results.Sampler, "token", token)
+    monkeypatch.setattr(results.Sampler, "accept", accept)
+    monkeypatch.setattr(proposers.Plain, "propose", propose)
+    monkeypatch.setattr(proposers.Medusa, "propose", propose)
 
 
-def test_streamed_text_equals_the_full_decode_on_multibyte_text(exported):
+def test_streamed_text_equals_the_full_decode_on_multibyte_text(exported, monkeypatch):
     dec = graphs.load(exported("medusa"), provider="cpu")
     ids = dec.tokenizer.encode(MULTIBYTE).ids
     assert len(ids) > len(MULTIBYTE)  # multi-byte characters span several byte-level tokens
-    _scripted(dec, ids)
+    _scripted(monkeypatch, ids)
     events = list(dec.stream("a", max_new_tokens=len(ids)))
     assert "".join(e.text for e in events) == dec.tokenizer.decode(ids) == MULTIBYTE
     assert all("\ufffd" not in e.text for e in events)  # partial characters are held back, never shown
@@ -180,10 +206,10 @@ def test_streamed_text_equals_the_full_decode_on_multibyte_text(exported):
     assert "".join(e.text for e in events) == dec.tokenizer.decode(ids[:cut])
 
 
-def test_stop_string_across_multibyte_tokens(exported):
+def test_stop_string_across_multibyte_tokens(exported, monkeypatch):
     dec = graphs.load(exported("medusa"), provider="cpu")
     ids = dec.tokenizer.encode(MULTIBYTE).ids
-    _scripted(dec, ids)
+    _scripted(monkeypatch, ids)
     events = list(dec.stream(["a", "b"], max_new_tokens=len(ids), stop_strings=["日本", "never"]))
     for b in (0, 1):
         mine = [e for e in events if e.index == b]
@@ -199,8 +225,8 @@ def test_decode_is_incremental(exported, monkeypatch):
     """No per-step decode of the whole sequence: the full decode runs once per sequence, at its end."""
     dec = graphs.load(exported("medusa"), provider="cpu")
     calls = []
-    real = dec._decode
-    monkeypatch.setattr(dec, "_decode", lambda ids: calls.append(len(ids)) or real(ids))
+    real = dec.decode
+    monkeypatch.setattr(dec, "decode", lambda ids: calls.append(len(ids)) or real(ids))
     r = dec.generate(["ab", "cd"], max_new_tokens=40)
     assert len(calls) == 2 and all(len(x.token_ids) > 1 for x in r)
 
@@ -223,6 +249,26 @@ def test_session_options_reach_ort(exported):
     assert dec.base.get_session_options().inter_op_num_threads == 3
     with pytest.raises(TypeError, match="session_options must be"):
         graphs.load(exported("eagle"), provider="cpu", session_options=["x"])
+    # a misspelt attribute is not silently turned into a config entry
+    with pytest.raises(ValueError, match="unknown session option 'intra_op_num_thread'"):
+        graphs.load(exported("eagle"), provider="cpu", session_options={"intra_op_num_thread": 1})
+
+
+@pytest.mark.parametrize(("threads", "err", "match"), [
+    (0, ValueError, "threads must be between 1 and"), (-1, ValueError, "threads must be between 1 and"),
+    (100000, ValueError, "this machine's cores"), ("2", TypeError, "threads must be an int"),
+    (True, TypeError, "threads must be an int")])
+def test_threads_are_bounded_by_the_cores(exported, threads, err, match):
+    """--threads 100000 once created 20,000 threads; 0 and -1 were accepted."""
+    with pytest.raises(err, match=match):
+        graphs.load(exported("eagle"), provider="cpu", threads=threads)
+    with pytest.raises(err, match=match):
+        sessions.use_shared_thread_pool(threads)
+
+
+def test_adaptive_must_be_a_bool(exported):
+    with pytest.raises(ValueError, match="adaptive must be True or False"):
+        graphs.load(exported("medusa"), provider="cpu", adaptive="no")
 
 
 def test_provider_options_and_device_id_reach_ort(exported, monkeypatch):

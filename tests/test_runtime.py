@@ -245,18 +245,15 @@ def test_batch_of_different_lengths(trained, kind, tree):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_io_binding_path_matches(trained, kind, monkeypatch):
-    """The CUDA code path (IO binding, K/V in device OrtValues, in-place kv_update graph) run on the
-    CPU EP: same greedy tokens as PyTorch, single prompts and a batch, across cache growth."""
+def test_io_binding_is_refused_loudly_and_decodes_on_the_host(trained, kind):
+    """The engine keeps K/V in host memory (one row per request); io_binding=True says so (a warning)
+    instead of pretending, and the tokens stay PyTorch's."""
     t = trained(kind)
-    bound = graphs.load(t.out_dir, provider="cpu", threads=1, io_binding=True)
-    assert bound.io_binding and bound.kv_update is not None
-    for p, ref in zip(PROMPTS[:4], t.refs[:4]):
-        assert bound.generate(p, max_new_tokens=N_NEW).token_ids == ref
-    results = bound.generate(PROMPTS, max_new_tokens=N_NEW)
-    assert [r.token_ids for r in results] == t.refs
-    monkeypatch.setattr(bound, "_device_capacity", lambda seqs, n: 4)  # grow the device buffers mid-run
-    assert [r.token_ids for r in bound.generate(PROMPTS[:3], max_new_tokens=N_NEW)] == t.refs[:3]
+    with pytest.warns(UserWarning, match="host memory"):
+        bound = graphs.load(t.out_dir, provider="cpu", threads=1, io_binding=True)
+    assert not bound.io_binding
+    results = bound.generate(PROMPTS[:3], max_new_tokens=N_NEW)
+    assert [r.token_ids for r in results] == t.refs[:3]
 
 
 def test_medusa_tree_file(trained, tmp_path):
@@ -280,19 +277,22 @@ def test_eagle_tree_file(trained, tmp_path):
 
 def test_eagle3_draft_vocabulary_maps_to_target_ids(trained, monkeypatch):
     """EAGLE-3 drafts over 200 ids; the graph maps them through d2t to target ids (some >= 200)."""
+    from graphs.proposers import Eagle
+
     t = trained("eagle3")
     targets = set(t.draft_targets)
     assert max(targets) >= 200 and len(targets) == 200
     seen: list[np.ndarray] = []
     decoder = graphs.load(t.out_dir, provider="cpu", threads=1, eagle_draft="stepwise", adaptive=False)
-    run_draft = type(decoder)._run_draft
+    run_draft = Eagle.run_draft
 
     def spy(self, *args, **kwargs):
         out = run_draft(self, *args, **kwargs)
-        seen.append(out["topk_ids"].ravel())
+        if kwargs.get("rows") is None:  # decode-step calls (prefill calls feed a single row, topk 1)
+            seen.append(out["topk_ids"].ravel())
         return out
 
-    monkeypatch.setattr(type(decoder), "_run_draft", spy)
+    monkeypatch.setattr(Eagle, "run_draft", spy)
     accepted_drafts = []  # drafted tokens the base accepted: all but the last token of each step
     for p, ref in zip(PROMPTS, t.refs):
         events = list(decoder.stream(p, max_new_tokens=N_NEW))
@@ -372,7 +372,6 @@ def test_stats_are_sane(trained, kind):
     for mode in ("speculative", "autoregressive"):
         r = t.decoder.generate(p, max_new_tokens=N_NEW, mode=mode)
         s = r.stats
-        assert s is t.decoder.last_stats
         assert s.prompt_tokens == len(p) and s.new_tokens == len(r.token_ids) == n
         assert s.steps >= 1 and len(s.accepted) == s.steps  # one entry per (step, live sequence)
         # the first token comes from the prefill; every step emits len(accepted) >= 1 more (the last
@@ -528,9 +527,9 @@ def test_drafts_equal_the_pytorch_reference(trained, kind, name, draft, batch):
     with captured_steps(decoder) as steps:
         results = decoder.generate(prompts, max_new_tokens=12, tree=tree)
     if kind != "medusa":  # one drafter call per step, or 1 + depth
-        calls = 1 if draft == "one_call" else 1 + decoder._eagle_tree(tree)["depth"]
+        calls = 1 if draft == "one_call" else 1 + decoder.eagle_tree(tree)["depth"]
         assert results[0].stats.draft_calls == calls * results[0].stats.steps
-    cfg = None if kind == "medusa" else t.decoder._eagle_tree(tree)
+    cfg = None if kind == "medusa" else t.decoder.eagle_tree(tree)
     checked = check_drafts(model, prompts, results, steps, eagle_cfg=cfg)
     assert checked >= 3 * batch
     assert max(results[0].stats.accepted) > 2  # trees were accepted: later steps had multi-token context
@@ -548,7 +547,8 @@ def test_adaptive_greedy_is_exact(trained, kind, autoregressive_tokens):
     assert [r.token_ids for r in results] == autoregressive_tokens[:4]
     # a policy that must alternate: speculation costs 10x a plain step, probes every 2 plain steps
     decoder.adaptive_config = AdaptiveConfig(probe_every=2, max_probe_every=2, margin=10.0)
-    results = decoder.generate(PROMPTS[4:7], max_new_tokens=N_NEW)
+    with decoder.watch_verify() as records:
+        results = decoder.generate(PROMPTS[4:7], max_new_tokens=N_NEW)
     assert [r.token_ids for r in results] == autoregressive_tokens[4:7]
-    widths = decoder.last_policy.history
+    widths = [rec.tree.size for rec in records]
     assert 1 in widths and max(widths) > 1  # both kinds of step happened

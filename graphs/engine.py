@@ -1,0 +1,547 @@
+"""A serving engine: requests join and leave at every step, each with its own settings.
+
+    engine = decoder.engine(EngineConfig(max_batch=8))
+    a = engine.add_request("def main(", max_new_tokens=64)                  # greedy, adaptive
+    b = engine.add_request([5, 9, 3], temperature=0.8, seed=1, speculation="off")
+    while engine.has_pending_requests():
+        for event in engine.step():          # tokens each live request gained this step
+            print(event.request_id, event.text, event.finish_reason)
+    engine.remove_request(a)                 # cancel (from any thread): its K/V row is freed
+
+One step (the one loop, for every drafting strategy of :mod:`graphs.proposers`)::
+
+    commands  requests added / removed since the last step (from any thread) are applied
+    plan      one width for the batch from measured costs and each request's gains (graphs.adaptive)
+    propose   the proposer drafts a tree per drafting row (plain rows verify their root only)
+    verify    one base forward over every occupied row: its tree, padded to the batch's width
+    accept    each row's own sampler walks its tree (greedy, lossless rejection sampling, typical)
+    commit    each row's accepted K/V is written at its own length (graphs.slots)
+    advance   the proposer updates each row's drafter state
+    emit      tokens, text, stop strings, finish reasons; finished rows leave at once
+    prefill   waiting requests take free rows; prompt chunks of ``prefill_chunk`` tokens run within
+              the step's token budget, so a long prompt never stalls the others for its whole length
+
+Per-request state lives in the :class:`Request`: tokens, K/V row, drafter state, sampler (its own
+seed), parameters, speculation switch, gains and statistics. What the engine shares between requests
+is what the machine measured (the costs of its calls and the mean gains per setting).
+
+Threads: one thread drives :meth:`Engine.step`. :meth:`add_request`, :meth:`remove_request`,
+:meth:`has_pending_requests` and :meth:`request` may be called from any thread and never wait for a
+running step (a short lock guards the incoming queue): an added request joins at the next step; a
+removed one has its row freed at once, or, while a step runs, by that step before it returns.
+Sessions are shared by every engine of a decoder (ONNX Runtime sessions may be run from several
+threads).
+
+Memory: the base's K/V (and the EAGLE drafter's) is one row per request slot of at most ``max_len``
+positions (plus one tree), allocated as rows fill up and never past that budget
+(:meth:`Engine.memory`); a request that cannot fit is refused at :meth:`add_request` with the limit
+named, one that finds no free row waits (``max_waiting`` bounds the queue: CapacityError beyond it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from graphs import contract as C
+from graphs.adaptive import IDLE, SPEC_ADAPTIVE, SPEC_OFF, SPEC_ON, AdaptiveConfig, Planner, RowGains
+from graphs.errors import CapacityError, InputError
+from graphs.params import GenerationParams, Resolved
+from graphs.proposers import Eagle, Medusa, Plain, presents
+from graphs.results import RequestEvent, Sampler, Stats
+from graphs.slots import SlotCache
+
+WAITING, PREFILL, DECODING, DONE = "waiting", "prefill", "decoding", "done"
+_MODES = {"off": SPEC_OFF, "on": SPEC_ON, "adaptive": SPEC_ADAPTIVE}
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 8
+    """Requests decoding at once (K/V rows); more wait in the queue."""
+    max_len: int | None = None
+    """Positions per request, prompt + new tokens (default: the model's context, at most 2048)."""
+    prefill_chunk: int = 64
+    """Prompt tokens per prefill call: a long prompt is cached in chunks of this size."""
+    step_tokens: int = 256
+    """Token budget of one step: prefill chunks run while the decode rows leave room (one at least)."""
+    max_waiting: int | None = None
+    """Requests that may wait for a row (None: unbounded); beyond, add_request raises CapacityError."""
+    max_tree: int = 64
+    """Nodes of the largest tree a request may verify (K/V headroom past a full row)."""
+
+    def __post_init__(self):
+        for name in ("max_batch", "prefill_chunk", "step_tokens", "max_tree"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InputError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
+        if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 2):
+            raise InputError(f"EngineConfig.max_len must be an int >= 2, got {self.max_len!r}")
+        if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 0):
+            raise InputError(f"EngineConfig.max_waiting must be an int >= 0 or None, got {self.max_waiting!r}")
+
+
+@dataclass
+class VerifyRecord:
+    """One row of one verify step (what :meth:`graphs.runtime.Decoder.watch_verify` records)."""
+
+    request_id: int
+    tree: object  # graphs.trees.Tree verified
+    tokens: np.ndarray  # (tree.size,) its tokens, root first
+    position: int  # the root's position
+    accepted: list[int]  # accepted node indices, root first
+    bonus: int
+    step: int = 0  # the engine's step count (Engine.totals.steps) when verified
+
+
+@dataclass
+class Request:
+    """Everything about one request; the engine's thread is the only one that changes it."""
+
+    id: int
+    prompt: list[int]
+    params: Resolved
+    max_new: int
+    eos: set
+    speculation: str  # "on" | "off" | "adaptive"
+    sampler: Sampler
+    tree: object = None  # Medusa: graphs.trees.Tree; EAGLE: {"topk", "depth", "total_tokens"}
+    tree_role: str | None = None  # EAGLE: the baked tree graph drafting it in one call, if any
+    tree_size: int = 1
+    prior_key: tuple = ()
+    deadline: float | None = None
+    stats: Stats = field(default_factory=Stats)
+    state: str = WAITING
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens in the cache
+    position: int = 0  # cached positions (the root's position)
+    root: int = 0  # the last emitted token, not yet cached
+    draft: object = None  # the proposer's state
+    gains: RowGains | None = None
+    tokens: list[int] = field(default_factory=list)
+    done: str | None = None
+    text: str = ""
+    streamed: str = ""
+    detok: object = None
+    t_added: float = 0.0
+
+
+class Engine:
+    """Continuous batching over one decoder's sessions (see the module doc)."""
+
+    def __init__(self, decoder, config: EngineConfig | None = None, planner: Planner | None = None):
+        self.dec = decoder
+        self.config = cfg = config or EngineConfig()
+        self.max_len = min(cfg.max_len or 2048, decoder.max_positions)
+        if cfg.max_len is not None and cfg.max_len > decoder.max_positions:
+            raise InputError(f"EngineConfig.max_len {cfg.max_len} exceeds the model's context of "
+                             f"{decoder.max_positions} positions")
+        src = decoder.manifest.source
+        self.kv = SlotCache(src["num_layers"], cfg.max_batch, src["num_kv_heads"], src["head_dim"], decoder.dtype,
+                            self.max_len, headroom=cfg.max_tree)
+        self.layers = src["num_layers"]
+        self.plain = Plain(decoder)
+        if decoder.kind == "medusa":
+            self.proposer = Medusa(decoder)
+        elif decoder.kind == "eagle":
+            self.proposer = Eagle(decoder, cfg.max_batch, self.max_len, cfg.max_tree)
+        else:
+            self.proposer = self.plain
+        self.planner = planner or decoder.new_planner()
+        self.totals = Stats()  # every step of this engine (a batch's stats for generate)
+        self._rows: list[Request] = []  # occupied rows, index = slot
+        self._waiting: deque[Request] = deque()
+        self._by_id: dict[int, Request] = {}
+        self._removed: list[RequestEvent] = []  # finish events of requests removed between steps
+        self._incoming: deque[Request] = deque()  # added since the last step (any thread)
+        self._cancels: list[int] = []  # removed while a step ran: applied before it returns
+        self._ids = itertools.count()
+        self._lock = threading.RLock()  # held by a step (and by changes to the rows)
+        self._in_lock = threading.Lock()  # the incoming queue, cancels and the id table: never held long
+        self._stepping = False
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt, params: GenerationParams | Resolved | None = None, *,
+                    deadline_s: float | None = None, **overrides) -> int:
+        """Queue one request (a string or a list of token ids); returns its id. Any thread.
+
+        ``params``/``overrides`` as :meth:`graphs.runtime.Decoder.generate`; ``deadline_s``: seconds
+        from now after which it finishes with ``finish_reason="deadline"``."""
+        r = params if isinstance(params, Resolved) else self.dec.resolve(params, **overrides)
+        return self.add(self.dec.new_request(prompt, r, self.max_len), deadline_s=deadline_s)
+
+    def add(self, req: Request, deadline_s: float | None = None) -> int:
+        """Queue a request made by :meth:`graphs.runtime.Decoder.new_request`; returns its id. Any thread."""
+        if isinstance(req.tree, dict) and req.tree_role is None:  # step-wise EAGLE: its temporary rows
+            need = max(req.tree_size, req.tree["topk"] * req.tree["depth"])
+        else:
+            need = req.tree_size
+        if need > self.config.max_tree:
+            raise InputError(f"a tree of {need} nodes exceeds this engine's max_tree of "
+                             f"{self.config.max_tree}; use a smaller tree or a larger EngineConfig.max_tree")
+        if deadline_s is not None:
+            if not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+                raise InputError(f"deadline_s must be a number > 0, got {deadline_s!r}")
+            req.deadline = time.perf_counter() + float(deadline_s)
+        with self._in_lock:
+            waiting = len(self._waiting) + len(self._incoming)
+            if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
+                raise CapacityError(f"{waiting} requests already wait for a row (max_waiting "
+                                    f"{self.config.max_waiting}); retry later")
+            req.id = next(self._ids)
+            req.t_added = time.perf_counter()
+            self._incoming.append(req)
+            self._by_id[req.id] = req
+        return req.id
+
+    def remove_request(self, request_id: int) -> bool:
+        """Cancel a request (any thread, never blocking on a running step): its row is freed now, or
+        by the running step before it returns. False if it is unknown or already finished."""
+        with self._in_lock:
+            req = self._by_id.get(request_id)
+            if req is None or req.done:
+                return False
+            if not self._lock.acquire(blocking=False):  # a step is running: it frees the row
+                self._cancels.append(request_id)
+                return True
+        try:
+            self._cancel(request_id)
+        finally:
+            self._lock.release()
+        return True
+
+    def _cancel(self, request_id: int) -> None:
+        """Finish a request as cancelled and free its row (under the step lock)."""
+        with self._in_lock:
+            req = self._by_id.get(request_id)
+            if req is None or req.done:
+                return
+            with contextlib.suppress(ValueError):
+                self._incoming.remove(req)
+        self._finish(req, "cancelled")
+        self._removed.append(self._event(req, []))
+        self._retire()
+
+    def has_pending_requests(self) -> bool:
+        """Whether a step has anything to do (any thread)."""
+        with self._in_lock:
+            return bool(self._rows or self._waiting or self._removed or self._incoming or self._cancels)
+
+    def request(self, request_id: int) -> Request | None:
+        """A live request (its stats, tokens so far); None once finished."""
+        with self._in_lock:
+            return self._by_id.get(request_id)
+
+    def memory(self) -> dict:
+        """K/V memory: what the budget can ever take and what is allocated now (bytes)."""
+        return {"slots": self.config.max_batch, "max_len": self.max_len, "kv_budget_bytes": self.kv.budget_bytes,
+                "kv_allocated_bytes": self.kv.allocated_bytes, "rows_used": self.kv.n,
+                "waiting": len(self._waiting) + len(self._incoming), **self.proposer.memory()}
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list:
+        """One decode step over every live request, then admission and prefill. The engine's thread."""
+        with self._lock:
+            if self._stepping:
+                raise RuntimeError("Engine.step is not reentrant: drive it from one thread")
+            self._stepping = True
+            try:
+                self._take_commands()
+                events, self._removed = self._removed, []
+                self._expire(events)
+                if any(r.state == DECODING for r in self._rows):
+                    events += self._decode()
+                self._retire()
+                self._admit()
+                events += self._prefill()
+                self._retire()
+                self._take_commands()  # removals that came during the step land before it returns
+                events += self._removed
+                self._removed = []
+                return events
+            finally:
+                self._stepping = False
+
+    def _take_commands(self) -> None:
+        with self._in_lock:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+            cancels, self._cancels = self._cancels, []
+        for rid in cancels:
+            self._cancel(rid)
+
+    def _expire(self, events: list) -> None:
+        now = time.perf_counter()
+        for req in [*self._rows, *self._waiting]:
+            if req.deadline is not None and now >= req.deadline and not req.done:
+                self._finish(req, "deadline")
+                events.append(self._event(req, []))
+        self._retire()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._rows) < self.config.max_batch:
+            req = self._waiting.popleft()
+            if req.done:
+                continue
+            req.slot = self.kv.add_row()
+            self.proposer.add_row()
+            self._rows.append(req)
+            req.state = PREFILL
+            req.draft = self._proposer(req).new_state(req)
+
+    def _proposer(self, req: Request):
+        return self.plain if req.speculation == "off" else self.proposer
+
+    def _prefill(self) -> list:
+        """Prompt chunks within the step's token budget, one base call per contiguous run of rows."""
+        cfg = self.config
+        decoding = sum(r.state == DECODING for r in self._rows)
+        budget = max(cfg.step_tokens - decoding * self.planner.last_width, cfg.prefill_chunk)
+        chosen = []
+        for req in self._rows:
+            if req.state != PREFILL:
+                continue
+            c = min(cfg.prefill_chunk, len(req.prompt) - req.prefilled)
+            if chosen and c > budget:
+                break
+            chosen.append((req, c))
+            budget -= c
+        events = []
+        runs: list[list] = []
+        for req, c in chosen:  # contiguous slots share one call
+            if runs and runs[-1][-1][0].slot == req.slot - 1:
+                runs[-1].append((req, c))
+            else:
+                runs.append([(req, c)])
+        for run in runs:
+            events += self._prefill_run(run)
+        return events
+
+    def _prefill_run(self, run: list) -> list:
+        lo, bsz = run[0][0].slot, len(run)
+        s = max(c for _, c in run)
+        ids = np.full((bsz, s), self.dec.pad, dtype=np.int64)
+        pos = np.zeros((bsz, s), dtype=np.int64)
+        counts = np.array([c for _, c in run], dtype=np.int64)
+        for j, (req, c) in enumerate(run):
+            ids[j, :c] = req.prompt[req.prefilled : req.prefilled + c]
+            pos[j] = req.prefilled + np.arange(s)
+        causal = np.tril(np.ones((s, s), dtype=bool))[None] & (np.arange(s)[None, None, :] < counts[:, None, None])
+        causal |= np.eye(s, dtype=bool)[None]  # pad rows see themselves: no empty softmax
+        rows = slice(lo, lo + bsz)
+        t0 = time.perf_counter()
+        out = self.dec.base_forward(self.kv, ids, pos, causal, rows=rows)
+        t = time.perf_counter() - t0
+        self.planner.costs.add_verify(bsz * s, t)
+        self.totals.time_prefill += t
+        self.kv.commit(presents(out, self.layers), np.broadcast_to(np.arange(s), (bsz, s)), counts, first=lo)
+        events = []
+        for j, (req, c) in enumerate(run):
+            req.stats.time_prefill += t
+            start, end = req.prefilled, req.prefilled + c
+            req.prefilled = end
+            row_out = {k: v[j : j + 1] for k, v in out.items() if not k.startswith("present.")}
+            root = None
+            if end == len(req.prompt):
+                root = req.sampler.token(out[C.LOGITS][j, c - 1])
+                req.root, req.position, req.state = root, end, DECODING
+                req.stats.time_to_first_token = time.perf_counter() - req.t_added
+            t_draft = self._proposer(req).prefilled(req, req.slot, row_out, start, end, root)
+            req.stats.time_prefill += t_draft
+            self.totals.time_prefill += t_draft
+            if root is not None:
+                ev = self._emit(req, [root])
+                if ev is not None:
+                    events.append(ev)
+        return events
+
+    def _decode(self) -> list:
+        t_start = time.perf_counter()
+        rows = self._rows
+        n = len(rows)
+        live = [r if r.state == DECODING else None for r in rows]
+        adaptive = any(r is not None and r.speculation == "adaptive" for r in live)
+        if any(r is not None and r.speculation != "off" for r in live):
+            modes = np.array([IDLE if r is None else _MODES[r.speculation] for r in live])
+            full = np.array([1 if r is None else r.tree_size for r in live], dtype=np.int64)
+            gains = [None if r is None or r.gains is None else r.gains.predicted() for r in live]
+            sizes = self.planner.plan(modes, full, gains)
+        else:  # nobody may speculate: nothing to decide
+            sizes = np.array([0 if r is None else 1 for r in live], dtype=np.int64)
+        drafted = bool((sizes > 1).any())
+        if drafted:
+            proposals, t_draft, calls = self.proposer.propose(live, sizes)
+        else:
+            proposals, t_draft, calls = self.plain.propose(live, sizes)
+        # verify: every occupied row, its tree padded to the batch's width
+        width = max(len(cand) for _, cand in proposals)
+        if width == 1:  # a plain step: every row verifies its root (the autoregressive step)
+            ids = np.array([[cand[0]] for _, cand in proposals], dtype=np.int64)  # (n, 1)
+            depth = np.zeros((n, 1), dtype=np.int64)
+            tmask = np.ones((n, 1, 1), dtype=bool)
+        else:
+            ids = np.full((n, width), self.dec.pad, dtype=np.int64)
+            depth = np.zeros((n, width), dtype=np.int64)
+            tmask = np.broadcast_to(np.eye(width, dtype=bool), (n, width, width)).copy()
+            for b, (tree, cand) in enumerate(proposals):
+                k = len(cand)
+                ids[b, :k], depth[b, :k], tmask[b, :k, :k] = cand, tree.depth, tree.mask
+        pos = self.kv.lens[:n, None] + depth
+        t0 = time.perf_counter()
+        out = self.dec.base_forward(self.kv, ids, pos, tmask)
+        t_verify = time.perf_counter() - t0
+        accepted, bonus = [None] * n, [0] * n
+        counts = np.zeros(n, dtype=np.int64)
+        for b, req in enumerate(live):
+            if req is None:
+                continue
+            tree, cand = proposals[b]
+            accepted[b], bonus[b] = req.sampler.accept(tree, cand, out[C.LOGITS][b, : tree.size])
+            counts[b] = len(accepted[b])
+        idx = np.zeros((n, max(int(counts.max()), 1)), dtype=np.int64)
+        for b, a in enumerate(accepted):
+            if a is not None:
+                idx[b, : len(a)] = a
+        self.kv.commit(presents(out, self.layers), idx, counts)
+        cands = [cand for _, cand in proposals]
+        self.proposer.advance(live, out, accepted, bonus, cands, sizes)
+        # costs and gains (the planner), statistics, emitted tokens
+        self.planner.costs.add_verify(n * width, t_verify)
+        if drafted:
+            self.planner.costs.add_draft(n, t_draft)
+        tot = self.totals
+        tot.steps += 1
+        tot.plain_steps += not drafted
+        tot.time_verify += t_verify
+        tot.time_draft += t_draft
+        tot.draft_calls += calls
+        events = []
+        watchers = self.dec.watchers()
+        for b, req in enumerate(live):
+            if req is None:
+                continue
+            tree, cand = proposals[b]
+            a = accepted[b]
+            if watchers:
+                rec = VerifyRecord(req.id, tree, cand, req.position, list(a), int(bonus[b]), tot.steps)
+                for w in watchers:
+                    w.append(rec)
+            st = req.stats
+            st.steps += 1
+            st.time_verify += t_verify
+            if sizes[b] > 1:
+                st.time_draft += t_draft
+                st.draft_calls += calls
+                for s_ in (st, tot):  # vLLM's spec-decode counters: drafts, draft tokens, accepted by position
+                    s_.draft_tokens += tree.size - 1
+                    s_.accepted_drafts += len(a) - 1
+                    if len(s_.accepted_per_pos) < len(a) - 1:
+                        s_.accepted_per_pos += [0] * (len(a) - 1 - len(s_.accepted_per_pos))
+                    for k in range(len(a) - 1):
+                        s_.accepted_per_pos[k] += 1
+                if req.gains is not None and adaptive:  # (gains only matter where a width is chosen)
+                    self.planner.learn(req.prior_key, req.gains.observe(tree, a))
+            else:
+                st.plain_steps += 1
+            st.accepted.append(len(a))
+            tot.accepted.append(len(a))
+            req.position += len(a)
+            req.root = int(bonus[b])
+            ev = self._emit(req, [int(x) for x in cand[a[1:]]] + [int(bonus[b])])
+            if ev is not None:
+                events.append(ev)
+        host = time.perf_counter() - t_start - t_verify - t_draft
+        self.planner.costs.add_host(drafted, host)
+        return events
+
+    # ------------------------------------------------------------------ emit and retire
+
+    def _emit(self, req: Request, toks: list[int]):
+        """Append accepted tokens: eos, stop strings, length; the event (None if nothing to say)."""
+        if req.done:
+            return None
+        dec = self.dec
+        room = min(req.max_new, self.max_len - len(req.prompt)) - len(req.tokens)
+        toks = toks[: max(room, 0)]
+        for i, t in enumerate(toks):
+            if t in req.eos:
+                toks, req.done = toks[: i + 1], "eos"
+                break
+        stops = req.params.stop_strings
+        if req.detok is not None:
+            # text grows token by token (tokenizers' DecodeStream: O(new tokens)); a stop string keeps
+            # the tokens up to the one that completes it
+            longest = max(map(len, stops), default=0)
+            for k, t in enumerate(toks):
+                start = max(0, len(req.text) - longest)
+                req.text += req.detok.step(dec.tokenizer, t) or ""  # None: a character still incomplete
+                cut = _find_stop(req.text, stops, start) if stops else None
+                if cut is not None:
+                    toks, req.done, req.text = toks[: k + 1], "stop", req.text[:cut]
+                    break
+        req.tokens.extend(toks)
+        if not req.done and len(req.tokens) >= min(req.max_new, self.max_len - len(req.prompt)):
+            req.done = "length"
+        if req.done and req.done != "stop" and req.detok is not None:
+            req.text = dec.decode(req.tokens)  # once at the end: a trailing partial character shows as U+FFFD
+        if req.done:
+            self._finish(req, req.done)
+        return self._event(req, toks)
+
+    def _event(self, req: Request, toks: list[int]):
+        # stream text that can no longer change: hold back the last characters that may begin a stop
+        # string until the request is done (DecodeStream already holds back partial characters)
+        stops = req.params.stop_strings
+        visible = req.text
+        if not req.done and stops:
+            visible = visible[: max(0, len(visible) - max(map(len, stops)) + 1)]
+        new_text = ""
+        if visible.startswith(req.streamed):  # (else decoding changed streamed text: nothing to add)
+            new_text, req.streamed = visible[len(req.streamed):], visible
+        if toks or new_text or req.done:
+            return RequestEvent(req.id, toks, new_text, req.done, req.stats if req.done else None)
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.done = reason
+        st = req.stats
+        st.new_tokens = len(req.tokens)
+        st.time_total = time.perf_counter() - req.t_added
+        if req.state == WAITING:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(req)
+        req.state = DONE
+        with self._in_lock:
+            self._by_id.pop(req.id, None)
+
+    def _retire(self) -> None:
+        """Free the rows of finished requests (the last row moves into each freed one)."""
+        for req in [r for r in self._rows if r.done]:
+            b = req.slot
+            self.kv.remove_row(b)
+            self.proposer.remove_row(b)
+            last = self._rows.pop()
+            if last is not req:
+                self._rows[b] = last
+                last.slot = b
+            req.slot = None
+        if not self._rows:
+            self.kv.shrink()
+            self.proposer.shrink()
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string begins in ``text[start:]`` (an index into ``text``), or None."""
+    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+__all__ = ["AdaptiveConfig", "Engine", "EngineConfig", "Request", "VerifyRecord"]

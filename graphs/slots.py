@@ -1,0 +1,196 @@
+"""K/V for an engine of many requests: one row (slot) per request, each with its own length.
+
+Each layer's K and V are one buffer ``(slots, kv_heads, capacity, head_dim)``. Row ``b`` holds the
+K/V of its request's positions ``0 .. lens[b] - 1`` in columns of the same index, with no holes: the
+attention mask of a row is ``column < lens[b]`` and a new token's position is its column. The
+occupied rows are always ``0 .. n - 1`` (a request that leaves has the last row moved into its
+place), so a graph call over every live request is fed ``buffer[:n]``, a contiguous view (no copy),
+and one request alone ``buffer[b : b + 1]``::
+
+    slot 0  [k0 k1 k2 k3 k4 . . .]   lens[0] = 5
+    slot 1  [k0 k1 . . . . . . . ]   lens[1] = 2      a verify call over n = 2 rows reads columns
+    slot 2  (free)                                    0 .. capacity-1, masked per row
+
+After a verify, each row's accepted nodes are written at its own length with one fancy-indexed
+assignment per buffer (rows, columns and node indices flattened)::
+
+    cache[rows, :, lens[rows] + j] = present[rows, :, idx[rows, j]]     for j < counts[rows]
+
+Capacity grows in buckets (an amortised copy) and never past ``max_len + headroom``, the budget fixed
+when the cache is made: ``budget_bytes`` is what the buffers can ever hold, ``allocated_bytes`` what
+they hold now. ``headroom`` leaves room past a full row for temporary rows (EAGLE's step-wise draft
+tree), written at ``top = max(lens)`` for every row and dropped after the step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphs import contract as C
+
+
+class SlotCache:
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, head_dim: int, dtype, max_len: int,
+                 headroom: int = 0, bucket: int = 64):
+        self.num_layers, self.slots, self.kv_heads, self.head_dim = num_layers, slots, kv_heads, head_dim
+        self.dtype = np.dtype(dtype)
+        self.limit = int(max_len) + int(headroom)  # columns a buffer may ever have
+        self.bucket = bucket
+        self.capacity = 0
+        self.n = 0  # occupied rows: 0 .. n-1
+        self.lens = np.zeros(slots, dtype=np.int64)  # (slots,) committed columns per row
+        self.temp = 0  # temporary columns written at [top, top + temp) this step
+        self.keys = [self._alloc(0) for _ in range(num_layers)]
+        self.values = [self._alloc(0) for _ in range(num_layers)]
+
+    # ---------------------------------------------------------------- memory
+
+    def _alloc(self, cap: int) -> np.ndarray:
+        # zeros, not empty: masked columns are still multiplied by softmax weights of 0
+        return np.zeros((self.slots, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
+
+    @property
+    def bytes_per_column(self) -> int:
+        return 2 * self.num_layers * self.slots * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.bytes_per_column * self.limit
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.bytes_per_column * self.capacity
+
+    def reserve(self, columns: int) -> None:
+        """Make every row able to hold ``columns`` columns (grows by half at least, up to the limit)."""
+        if columns <= self.capacity:
+            return
+        if columns > self.limit:
+            raise ValueError(f"SlotCache: {columns} columns exceed the budget of {self.limit}")
+        cap = min(max(-(-columns // self.bucket) * self.bucket, self.capacity + self.capacity // 2), self.limit)
+        top = int(self.lens[: self.n].max(initial=0)) + self.temp
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                new = self._alloc(cap)
+                new[: self.n, :, :top] = old[: self.n, :, :top]
+                bufs[i] = new
+        self.capacity = cap
+
+    def shrink(self) -> None:
+        """Give the memory back while no row is occupied (the next request allocates again)."""
+        if self.n == 0 and self.capacity:
+            self.keys = [self._alloc(0) for _ in range(self.num_layers)]
+            self.values = [self._alloc(0) for _ in range(self.num_layers)]
+            self.capacity = 0
+
+    # ---------------------------------------------------------------- rows
+
+    def add_row(self) -> int:
+        """Occupy the next free row (empty); returns its index."""
+        if self.n >= self.slots:
+            raise ValueError("SlotCache: no free row")
+        b = self.n
+        self.lens[b] = 0
+        self.n += 1
+        return b
+
+    def remove_row(self, b: int) -> int | None:
+        """Free row ``b``: the last occupied row moves into it. Returns the index it moved from
+        (the caller re-points that request to ``b``), or None when ``b`` was the last row."""
+        last = self.n - 1
+        self.n -= 1
+        moved = None
+        if b != last:
+            w = int(self.lens[last])
+            for bufs in (self.keys, self.values):
+                for buf in bufs:
+                    buf[b, :, :w] = buf[last, :, :w]
+            self.lens[b] = w
+            moved = last
+        self.lens[last] = 0
+        return moved
+
+    # ---------------------------------------------------------------- graph inputs
+
+    def past_mask(self, rows: slice | None = None) -> np.ndarray:
+        """(B, capacity) bool: the committed columns of rows ``rows`` (default: every occupied row)."""
+        rows = rows or slice(0, self.n)
+        return np.arange(self.capacity)[None, :] < self.lens[rows][:, None]
+
+    def feed(self, rows: slice | None = None) -> dict[str, np.ndarray]:
+        """The past inputs of a graph over ``rows``: contiguous views of the whole buffers."""
+        rows = rows or slice(0, self.n)
+        feed = {}
+        for i in range(self.num_layers):
+            feed[C.past_key(i)] = self.keys[i][rows]
+            feed[C.past_value(i)] = self.values[i][rows]
+        return feed
+
+    # ---------------------------------------------------------------- writes
+
+    def commit(self, presents: list[np.ndarray], idx: np.ndarray, counts: np.ndarray, first: int = 0) -> None:
+        """Append accepted new rows to rows ``first .. first + B - 1`` at their own lengths.
+
+        presents: the graph's ``present.{i}.key, present.{i}.value`` in layer order, (B, kv, S, hd)
+        idx (B, A) int: which of the S new positions to keep, in order (pad with any index)
+        counts (B,) int: how many of those A each row keeps (0: nothing, e.g. a row along for the ride)
+        """
+        counts = np.asarray(counts, dtype=np.int64)
+        bsz, a = idx.shape
+        rows = first + np.arange(bsz)
+        lens = self.lens[rows]
+        need = int((lens + counts).max(initial=0))
+        self.reserve(need + self.temp)
+        if bsz == 1:  # one row: slices, no fancy indexing
+            c, w = int(counts[0]), int(lens[0])
+            if c:
+                nodes = idx[0, :c]
+                sel = slice(int(nodes[0]), int(nodes[0]) + c) if np.all(np.diff(nodes) == 1) else nodes
+                for i in range(self.num_layers):
+                    self.keys[i][first, :, w : w + c] = presents[2 * i][0][:, sel]  # (kv, c, hd)
+                    self.values[i][first, :, w : w + c] = presents[2 * i + 1][0][:, sel]
+            self.lens[first] += c
+            return
+        keep = np.arange(a)[None, :] < counts[:, None]  # (B, A)
+        b_loc, j = np.nonzero(keep)  # flattened (row, k-th kept)
+        if b_loc.size:
+            dst_rows = rows[b_loc]
+            cols = lens[b_loc] + j
+            nodes = idx[b_loc, j]
+            for i in range(self.num_layers):
+                # advanced indices on axes 0 and 2 (a slice between): both sides are (N, kv, hd)
+                self.keys[i][dst_rows, :, cols] = presents[2 * i][b_loc, :, nodes]
+                self.values[i][dst_rows, :, cols] = presents[2 * i + 1][b_loc, :, nodes]
+        self.lens[rows] += counts
+
+    def top(self) -> int:
+        """First column past every occupied row (where temporary rows go)."""
+        return int(self.lens[: self.n].max(initial=0))
+
+    def write_temp(self, presents: list[np.ndarray]) -> int:
+        """Write all S new rows of every occupied row at ``top() + temp`` (temporary draft-tree rows).
+
+        Returns the first column written; :meth:`drop_temp` forgets them all."""
+        s = presents[0].shape[2]
+        start = self.top() + self.temp
+        self.reserve(start + s)
+        n = self.n
+        for i in range(self.num_layers):
+            self.keys[i][:n, :, start : start + s] = presents[2 * i]
+            self.values[i][:n, :, start : start + s] = presents[2 * i + 1]
+        self.temp += s
+        return start
+
+    def drop_temp(self) -> None:
+        self.temp = 0
+
+
+def attention_mask(past: np.ndarray, tree: np.ndarray) -> np.ndarray:
+    """(B, 1, S, P+S) bool from the past columns each row may see and the (B, S, S) new block.
+
+    ``past`` is (B, P) (the same for every new position of a row) or (B, S, P) (per position).
+    """
+    bsz, s, _ = tree.shape
+    if past.ndim == 2:
+        past = np.broadcast_to(past[:, None, :], (bsz, s, past.shape[1]))
+    return np.concatenate([past, tree], axis=2)[:, None]

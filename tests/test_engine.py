@@ -1,0 +1,322 @@
+"""The serving engine (graphs.engine): requests that join and leave at every step, each its own settings.
+
+Lossless under any traffic, tested with randomized arrival schedules (a fixed seed per schedule):
+requests added at random steps with random lengths, speculation switches and trees, some cancelled
+at random steps. Every greedy request's tokens must be the base's greedy tokens (PyTorch's, from
+test_runtime's references) whatever joined, drafted or left around it; sampled requests amid
+such traffic keep the base distribution (test_spec_sampling's chi-square); a seeded request is
+reproducible whatever else runs. Then memory (a fixed budget, given back), chunked prefill,
+cancellation, deadlines, admission limits and threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+from test_runtime import EAGLE_TREES, MEDUSA_TREES, N_NEW, PROMPTS, references, trained  # noqa: F401 (fixtures)
+from test_spec_sampling import P_MIN, PROMPT, VOCAB, chi_square, exact_joint, setup  # noqa: F401 (fixture)
+
+import graphs
+from graphs.engine import EngineConfig
+from graphs.errors import CapacityError, InputError
+
+SCHEDULES = [("medusa", "auto"), ("eagle", "stepwise"), ("eagle", "one_call"), ("eagle3", "stepwise"),
+             ("eagle3", "one_call")]
+
+
+def _trees(kind: str, draft: str) -> list:
+    if kind == "medusa":
+        return [None, MEDUSA_TREES["chain"], MEDUSA_TREES["wide"], MEDUSA_TREES["deep_wide"]]
+    if draft == "one_call":  # the baked ones (test_runtime exports (2, 3, 6) and (4, 4, 12))
+        return [None, EAGLE_TREES["4-4-12"]]
+    return [None, EAGLE_TREES["1-1-2"], EAGLE_TREES["4-4-12"]]
+
+
+def drive(engine, schedule: list[dict], max_steps: int = 2000) -> dict[int, dict]:
+    """Run ``schedule`` (each: arrive step, prompt, params, cancel step or None) to the end; returns
+    {schedule index: {"tokens", "finish", "events"}}."""
+    out: dict[int, dict] = {}
+    ids: dict[int, int] = {}  # request id -> schedule index
+    step = 0
+    while step < max_steps:
+        for i, s in enumerate(schedule):
+            if s["arrive"] == step:
+                ids[engine.add_request(s["prompt"], **s["params"])] = i
+                out[i] = {"tokens": [], "finish": None, "events": 0}
+            if s.get("cancel") == step and i in out and out[i]["finish"] is None:
+                rid = next(r for r, j in ids.items() if j == i)
+                assert engine.remove_request(rid)
+        for e in engine.step():
+            o = out[ids[e.request_id]]
+            assert o["finish"] is None, "an event after the request finished"
+            o["tokens"] += e.token_ids
+            o["events"] += 1
+            o["finish"] = e.finish_reason
+        step += 1
+        if step > max(s["arrive"] for s in schedule) and not engine.has_pending_requests():
+            return out
+    raise AssertionError("the schedule did not finish")
+
+
+def random_schedule(seed: int, kind: str, draft: str, n: int = 14) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    trees = _trees(kind, draft)
+    sched = []
+    for _ in range(n):
+        p = int(rng.integers(0, len(PROMPTS)))
+        params = {"max_new_tokens": int(rng.integers(1, N_NEW + 1)),
+                  "speculation": str(rng.choice(["on", "off", "adaptive"])),
+                  "tree": trees[int(rng.integers(0, len(trees)))]}
+        if rng.random() < 0.25:  # sampled traffic around the greedy requests
+            params.update(temperature=0.9, seed=int(rng.integers(0, 1000)))
+        arrive = int(rng.integers(0, 25))
+        cancel = arrive + int(rng.integers(0, 8)) if rng.random() < 0.2 else None
+        sched.append({"arrive": arrive, "prompt": PROMPTS[p], "ref": p, "params": params, "cancel": cancel})
+    return sched
+
+
+@pytest.mark.parametrize(("kind", "draft"), SCHEDULES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_requests_are_exact_under_random_traffic(trained, kind, draft, seed):  # noqa: F811
+    t = trained(kind)
+    dec = graphs.load(t.out_dir, provider="cpu", threads=1, eagle_draft=draft)
+    engine = dec.engine(EngineConfig(max_batch=4, prefill_chunk=4, step_tokens=12))
+    sched = random_schedule(seed, kind, draft)
+    with dec.watch_verify() as records:
+        out = drive(engine, sched)
+    checked = 0
+    for i, s in enumerate(sched):
+        o, ref = out[i], t.refs[s["ref"]]
+        if s["params"].get("temperature"):
+            continue
+        want = ref[: s["params"]["max_new_tokens"]]
+        if o["finish"] == "cancelled":
+            assert o["tokens"] == want[: len(o["tokens"])], f"request {i}: cancelled, but not a prefix"
+        else:
+            assert o["tokens"] == want, f"request {i} ({s['params']}): not the base's greedy tokens"
+            assert o["finish"] in ("length", "eos")
+            checked += 1
+    assert checked >= 5
+    sizes = [r.tree.size for r in records]
+    assert max(sizes) > 1 and 1 in sizes  # drafted and plain rows happened
+    steps: dict[int, set] = {}
+    for r in records:
+        steps.setdefault(r.step, set()).add(r.tree.size)
+    assert any(len(v) > 1 for v in steps.values())  # rows of one step verified different tree sizes
+    assert engine.memory()["rows_used"] == 0 and engine.memory()["kv_allocated_bytes"] == 0
+
+
+@pytest.mark.parametrize("speculation", ["on", "off"])
+def test_a_seeded_request_is_reproducible_whatever_else_runs(trained, speculation):  # noqa: F811
+    t = trained("eagle")
+    dec = graphs.load(t.out_dir, provider="cpu", threads=1)
+    params = {"max_new_tokens": 24, "temperature": 0.8, "seed": 11, "speculation": speculation}
+    alone = drive(dec.engine(EngineConfig(max_batch=4, prefill_chunk=4)),
+                  [{"arrive": 0, "prompt": PROMPTS[5], "params": params}])[0]["tokens"]
+    sched = [*random_schedule(3, "eagle", "auto", n=10), {"arrive": 4, "prompt": PROMPTS[5], "params": params}]
+    crowd = drive(dec.engine(EngineConfig(max_batch=4, prefill_chunk=4)), sched)[len(sched) - 1]["tokens"]
+    assert crowd == alone and len(alone) == 24
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_sampled_requests_keep_the_base_distribution_under_traffic(setup, kind):  # noqa: F811
+    """Requests of PROMPT at temperature 1 arrive in waves among greedy requests, some of which are
+    cancelled; the joint of their first three tokens is the base's (chi-square, as test_spec_sampling)."""
+    decoders, base = setup
+    dec = decoders[kind]
+    engine = dec.engine(EngineConfig(max_batch=96, prefill_chunk=2, step_tokens=64))
+    rng = np.random.default_rng(7)
+    counts = np.zeros((VOCAB,) * 3, dtype=np.int64)
+    sampled, noise, tokens, taus = set(), [], {}, []
+    for wave in range(40):
+        for _ in range(60):
+            sampled.add(engine.add_request(PROMPT, max_new_tokens=3, temperature=1.0,
+                                           speculation=str(rng.choice(["on", "adaptive"]))))
+        for _ in range(4):
+            noise.append(engine.add_request(rng.integers(3, VOCAB, size=int(rng.integers(1, 9))).tolist(),
+                                            max_new_tokens=int(rng.integers(1, 12))))
+        for _ in range(3):
+            for e in engine.step():
+                tokens.setdefault(e.request_id, []).extend(e.token_ids)
+                if e.stats is not None and e.request_id in sampled:
+                    taus.append(e.stats.mean_accepted_length)
+        if wave % 3 == 0 and noise:
+            engine.remove_request(noise.pop(int(rng.integers(0, len(noise)))))
+    while engine.has_pending_requests():
+        for e in engine.step():
+            tokens.setdefault(e.request_id, []).extend(e.token_ids)
+            if e.stats is not None and e.request_id in sampled:
+                taus.append(e.stats.mean_accepted_length)
+    toks = np.array([tokens[r] for r in sorted(sampled)])
+    assert toks.shape == (2400, 3)
+    np.add.at(counts, tuple(toks.T), 1)
+    assert np.mean(taus) > 1.02, "drafts are (almost) never accepted; the test would prove little"
+    stat, dof, p = chi_square(counts, exact_joint(base))
+    print(f"\n{kind} engine traffic: chi2 {stat:.1f} dof {dof} p {p:.3g} tau {np.mean(taus):.2f}")
+    assert p > P_MIN
+
+
+def test_memory_stays_flat_over_hundreds_of_requests(trained):  # noqa: F811
+    t = trained("eagle")
+    dec = graphs.load(t.out_dir, provider="cpu", threads=1)
+    engine = dec.engine(EngineConfig(max_batch=6, prefill_chunk=8, max_len=64))
+    mem = engine.memory()
+    assert mem["kv_budget_bytes"] > 0 and mem["kv_allocated_bytes"] == 0
+    rng = np.random.default_rng(0)
+
+    def wave(n):
+        for _ in range(n):
+            engine.add_request(rng.integers(3, 256, size=int(rng.integers(1, 30))).tolist(),
+                               max_new_tokens=int(rng.integers(1, 20)))
+        peak = 0
+        while engine.has_pending_requests():
+            engine.step()
+            m = engine.memory()
+            assert m["kv_allocated_bytes"] <= m["kv_budget_bytes"]
+            assert m["drafter_kv_allocated_bytes"] <= m["drafter_kv_budget_bytes"]
+            peak = max(peak, m["kv_allocated_bytes"])
+        return peak
+
+    wave(60)  # warm up (ONNX Runtime's arenas, numpy's caches)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    peak = max(wave(120), wave(120))
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert peak <= mem["kv_budget_bytes"]
+    m = engine.memory()
+    assert m["rows_used"] == 0 and m["waiting"] == 0 and m["kv_allocated_bytes"] == 0  # given back
+    assert after - before < 2 * 2**20, f"Python memory grew by {(after - before) / 2**20:.1f} MiB over 240 requests"
+
+
+def test_a_long_prefill_does_not_stall_the_others(trained):  # noqa: F811
+    t = trained("medusa")
+    dec = graphs.load(t.out_dir, provider="cpu", threads=1)
+    engine = dec.engine(EngineConfig(max_batch=4, prefill_chunk=8, step_tokens=16, max_len=128))
+    a = engine.add_request(PROMPTS[3], max_new_tokens=30)
+    while engine.request(a).state != "decoding":
+        engine.step()
+    long_prompt = (PROMPTS[9] * 4)[:80]
+    b = engine.add_request(long_prompt, max_new_tokens=4)
+    steps = 0
+    while engine.request(b) is not None and not engine.request(b).tokens:
+        events = engine.step()
+        steps += 1
+        assert any(e.request_id == a for e in events), "the decoding request got nothing this step"
+    assert steps >= 80 // 16  # the long prompt's prefill took several steps (chunks within the budget)
+
+
+def test_remove_request_frees_the_row_at_once(trained):  # noqa: F811
+    t = trained("eagle")
+    dec = graphs.load(t.out_dir, provider="cpu", threads=1)
+    engine = dec.engine(EngineConfig(max_batch=2))
+    ids = [engine.add_request(p, max_new_tokens=20) for p in PROMPTS[:3]]
+    engine.step()
+    assert engine.memory()["rows_used"] == 2 and engine.memory()["waiting"] == 1
+    assert engine.remove_request(ids[0])
+    assert engine.memory()["rows_used"] == 1  # freed now, not at the next step
+    assert not engine.remove_request(ids[0]) and not engine.remove_request(12345)
+    events = engine.step()
+    assert any(e.request_id == ids[0] and e.finish_reason == "cancelled" for e in events)
+    assert engine.memory()["rows_used"] == 2  # the waiting request took the row
+    while engine.has_pending_requests():
+        engine.step()
+
+
+def test_deadline_and_admission_limits(trained):  # noqa: F811
+    t = trained("medusa")
+    dec = graphs.load(t.out_dir, provider="cpu", threads=1)
+    engine = dec.engine(EngineConfig(max_batch=1, max_waiting=1, max_len=32))
+    engine.add_request(PROMPTS[0], max_new_tokens=5)
+    with pytest.raises(CapacityError, match="max_waiting"):
+        engine.add_request(PROMPTS[1])
+    with pytest.raises(InputError, match="max_len of 32"):
+        dec.engine(EngineConfig(max_len=32)).add_request(list(range(3, 40)))
+    with pytest.raises(InputError, match="unknown speculation"):
+        engine.add_request(PROMPTS[0], speculation="sometimes")
+    with pytest.raises(InputError, match="deadline_s"):
+        dec.engine().add_request(PROMPTS[0], deadline_s=-1)
+    while engine.has_pending_requests():
+        engine.step()
+    late = engine.add_request(PROMPTS[2], max_new_tokens=30, deadline_s=1e-9)
+    events = engine.step()
+    assert [e.finish_reason for e in events if e.request_id == late] == ["deadline"]
+    base = graphs.load(t.out_dir, provider="cpu", threads=1)
+    with pytest.raises(InputError, match="max_len"):
+        base.engine(EngineConfig(max_len=10**9))
+
+
+def test_requests_from_other_threads(trained):  # noqa: F811
+    """One thread drives step(); four others add and cancel requests: every request ends, greedy
+    ones with the base's tokens."""
+    t = trained("medusa")
+    dec = graphs.load(t.out_dir, provider="cpu", threads=1)
+    engine = dec.engine(EngineConfig(max_batch=3, prefill_chunk=4))
+    added: dict[int, int] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+    done: dict[int, list] = {}
+    finish: dict[int, str] = {}
+
+    def driver():
+        while not stop.is_set() or engine.has_pending_requests():
+            for e in engine.step():
+                done.setdefault(e.request_id, []).extend(e.token_ids)
+                if e.finish_reason:
+                    finish[e.request_id] = e.finish_reason
+
+    def client(k):
+        rng = np.random.default_rng(k)
+        for _ in range(4):
+            p = int(rng.integers(0, len(PROMPTS)))
+            rid = engine.add_request(PROMPTS[p], max_new_tokens=10)
+            with lock:
+                added[rid] = p
+            if rng.random() < 0.3:
+                engine.remove_request(rid)
+
+    d = threading.Thread(target=driver)
+    d.start()
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(timeout=60)
+    stop.set()
+    d.join(timeout=120)
+    assert not d.is_alive()
+    assert set(finish) == set(added)
+    for rid, p in added.items():
+        want = t.refs[p][:10]
+        got = done.get(rid, [])
+        assert got == want if finish[rid] != "cancelled" else got == want[: len(got)]
+
+
+def test_generate_from_several_threads_is_reproducible(trained):  # noqa: F811
+    """A seeded sampling run gives the same tokens whether run alone or beside others on the same
+    decoder from other threads (each run has its own engine; nothing about a run is on the decoder)."""
+    t = trained("medusa")
+    dec = graphs.load(t.out_dir, provider="cpu", threads=1)
+    want = dec.generate(PROMPTS[4], max_new_tokens=20, temperature=0.9, seed=3).token_ids
+    got: list = [None] * 6
+
+    def run(k):
+        got[k] = dec.generate(PROMPTS[4], max_new_tokens=20, temperature=0.9, seed=3).token_ids
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert got == [want] * 6
+
+
+def test_a_2d_array_of_prompts_is_a_batch(trained):  # noqa: F811
+    t = trained("medusa")
+    arr = np.array([PROMPTS[1][:2], PROMPTS[2][:2]])
+    results = t.decoder.generate(arr, max_new_tokens=5)
+    assert isinstance(results, list) and len(results) == 2
+    assert [r.token_ids for r in results] == [t.decoder.generate(list(p), max_new_tokens=5).token_ids for p in arr]
