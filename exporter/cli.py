@@ -16,7 +16,7 @@ import sys
 import threading
 import traceback
 
-from exporter.loading import UserError
+from exporter.errors import UserError
 from graphs.errors import InputError
 
 USER_ERRORS = (UserError, InputError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)

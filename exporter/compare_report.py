@@ -32,8 +32,8 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("bfloat16", "cuda"): Tolerance(atol=1e-1, rtol=5e-2, top1=0.8),
 }
 # Outputs compared for agreement only: equal scores may come out in either order.
-_AGREEMENT_ONLY = {C.TOPK_IDS}
-_LOGITS = {C.LOGITS}
+AGREEMENT_ONLY = {C.TOPK_IDS}
+LOGITS_OUTPUTS = {C.LOGITS}
 
 
 @dataclass
@@ -171,7 +171,7 @@ def compare_arrays(ref: np.ndarray, got: np.ndarray, tol: Tolerance, name: str) 
     if ref.size == 0:
         return dict(max_abs=0.0, max_rel=0.0, where=[], torch_value=0.0, onnx_value=0.0, top1=None,
                     limit=0.0, ok=True)
-    if name in _AGREEMENT_ONLY:
+    if name in AGREEMENT_ONLY:
         agree = float((ref == got).mean())
         return dict(max_abs=float(np.abs(ref64 - got64).max()), max_rel=0.0, where=[], torch_value=0.0,
                     onnx_value=0.0, top1=agree, limit=0.0, ok=True)
@@ -181,7 +181,7 @@ def compare_arrays(ref: np.ndarray, got: np.ndarray, tol: Tolerance, name: str) 
     limit = tol.atol + tol.rtol * float(np.abs(ref64).max())
     top1 = None
     ok = bool(diff.max() <= limit) and bool(np.isfinite(got64).all())
-    if name in _LOGITS:
+    if name in LOGITS_OUTPUTS:
         top1 = float((ref64.argmax(-1) == got64.argmax(-1)).mean())
         ok = ok and top1 >= tol.top1
     return dict(max_abs=float(diff.max()), max_rel=float(rel.max()), where=[int(i) for i in idx],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exporter.loading import UserError
+from exporter.errors import UserError
 from graphs.manifest import MANIFEST
 
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from exporter.loading import UserError
+from exporter.errors import UserError
 
 
 @dataclass
@@ -88,7 +88,7 @@ def compare_tokens(model, decoder, prompts: list, max_new_tokens: int = 32, quan
 
 def default_prompts(decoder, n: int = 4, seed: int = 0) -> list:
     if decoder.tokenizer is not None:
-        from exporter.bench import DEFAULT_PROMPTS
+        from exporter.prompts import DEFAULT_PROMPTS
 
         return DEFAULT_PROMPTS[:n]
     rng = np.random.default_rng(seed)

@@ -33,38 +33,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from exporter.trace import _BaseParts, _pairs, draft_dims, flatten_kv
+from exporter.modeling import BaseParts, flatten_kv, pairs
+from exporter.plan import aux_layer_ids, check_tree, parse_tree, parse_tree_role
 from graphs import contract as C
-from graphs.trees import DEFAULT_EAGLE_TREE
 
-
-def parse_tree(text: str) -> tuple[int, int, int]:
-    """``"2,3,6"`` -> (topk, depth, total_tokens); an argparse ``type`` (its error is one line)."""
-    import argparse
-
-    from exporter.loading import UserError
-
-    try:
-        k, d, t = (int(x) for x in text.split(","))
-        check_tree(k, d, t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not topk,depth,total_tokens (e.g. 2,3,6)") from None
-    except UserError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return k, d, t
-
-
-def check_tree(topk: int, depth: int, total_tokens: int) -> None:
-    from exporter.loading import UserError
-
-    if min(topk, depth, total_tokens) < 1:
-        raise UserError(f"EAGLE tree {topk},{depth},{total_tokens}: topk, depth and total_tokens must be >= 1")
-    drafted = topk + depth * topk * topk
-    if total_tokens - 1 > drafted:
-        raise UserError(
-            f"EAGLE tree {topk},{depth},{total_tokens}: only {drafted} nodes are drafted, so total_tokens "
-            f"can be at most {drafted + 1}; lower total_tokens or raise topk/depth"
-        )
+__all__ = ["EagleTreeGraph", "check_tree", "graph_for_role", "parse_tree", "simplify_traced", "tree_cases"]
 
 
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -93,7 +66,7 @@ class EagleTreeGraph(nn.Module):
         super().__init__()
         check_tree(topk, depth, total_tokens)
         self.eagle_module = model.eagle_module
-        self.base = _BaseParts(model)
+        self.base = BaseParts(model)
         self.eagle3 = model.eagle_module.eagle3
         self.topk, self.depth, self.total_tokens = topk, depth, total_tokens
         self.hidden_size = model.config.hidden_size
@@ -112,7 +85,7 @@ class EagleTreeGraph(nn.Module):
     def forward(self, feats, input_ids, position_ids, attention_mask, root_index, *past):
         k, big_k = self.topk, self.topk  # frontier width, children per node (the drafter's top-k)
         bsz = input_ids.shape[0]
-        past_kv = _pairs(past) if past else None
+        past_kv = pairs(past) if past else None
         # 1) the context rows: their K/V go out, the root row's output drafts layer 1 (the head runs on
         #    that row alone: the other context rows' logits are never read)
         step = self.eagle_module.hidden_step
@@ -207,56 +180,14 @@ def simplify_traced(proto, base_dir: Path):
     return ir.to_proto(model)
 
 
-def tree_graph_specs(model, dtype: str, trees) -> dict[str, C.GraphSpec]:
-    """{role: spec} of the tree graphs baked for ``trees`` [(topk, depth, total_tokens), ...]."""
-    from exporter.trace import aux_layer_ids
-
-    dims = draft_dims(model, dtype)
-    n_aux = len(aux_layer_ids(model))
-    layers = len(model.eagle_module.layers)
-    return {C.eagle_tree_role(*cfg): C.eagle_tree_graph_spec(dims, layers, *cfg, n_aux=n_aux) for cfg in trees}
-
-
-def default_trees() -> list[tuple[int, int, int]]:
-    d = DEFAULT_EAGLE_TREE
-    return [(d["topk"], d["depth"], d["total_tokens"])]
-
-
-def bake_eagle_trees(model, specs: dict, tree: dict, trees, trace_one) -> list[str]:
-    """Add tree graphs for ``trees`` (None: the default tree) to ``specs`` and the manifest ``tree``
-    entry, tracing each with ``trace_one(role)``; a no-op for a model without an EAGLE drafter.
-
-    The manifest lists them as ``tree["eagle_trees"] = [{"topk", "depth", "total_tokens", "graph"}]``.
-    """
-    if getattr(model, "spec_mode", None) != "eagle":
-        if trees:
-            from exporter.loading import UserError
-
-            raise UserError("--eagle-trees needs a model with an EAGLE drafter")
-        return []
-    trees = [tuple(t) for t in (default_trees() if trees is None else trees)]
-    for cfg in trees:
-        check_tree(*cfg)
-    dtype = specs["draft"].inputs[0].dtype
-    new = tree_graph_specs(model, dtype, dict.fromkeys(trees))
-    specs.update(new)
-    tree["eagle_trees"] = [{"topk": k, "depth": d, "total_tokens": t, "graph": C.eagle_tree_role(k, d, t)}
-                           for k, d, t in dict.fromkeys(trees)]
-    for role in new:
-        trace_one(role)
-    return list(new)
-
-
 def graph_for_role(model, role: str) -> EagleTreeGraph:
-    k, d, t = (int(x) for x in role[len(C.TREE_ROLE_PREFIX):].split("-"))
-    return EagleTreeGraph(model, k, d, t)
+    return EagleTreeGraph(model, *parse_tree_role(role))
 
 
 def tree_cases(model, spec: C.GraphSpec, seed: int = 0) -> list[tuple[str, list[torch.Tensor]]]:
     """Inputs to check a tree graph against PyTorch (exporter.compare): batch 2, a drafter cache with
     a hole, context rows of different lengths (padded rows see only themselves), real base features."""
     from exporter.modeling import base_forward, causal_mask, eager_attention
-    from exporter.trace import aux_layer_ids
 
     g = torch.Generator().manual_seed(seed + 7)
     p, s = 3, 4

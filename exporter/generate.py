@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
-        from exporter.loading import UserError
+        from exporter.errors import UserError
         from graphs.params import GenerationParams
         from graphs.sessions import use_shared_thread_pool
 

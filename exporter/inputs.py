@@ -18,7 +18,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from exporter.loading import UserError
+from exporter.errors import UserError
 
 MIN_OPSET = 17  # Unsqueeze/Slice with tensor inputs, bool masks: what our graphs are tested with
 
@@ -144,3 +144,37 @@ def copy_model_files(model_dir: Path, dst: Path, names) -> None:
         if not os.path.lexists(src):
             continue
         shutil.copyfile(_safe_source(Path(model_dir), src), dst / name)  # content only, mode from the umask
+
+
+# Files copied from model_dir so that the runtime can tokenize and stop without transformers, and
+# other tools (AutoTokenizer, AutoConfig, GenerationConfig, chat templates) read the export directory
+# as they read the model's. config.json is written by copy_model_files (the base's, no drafter key).
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+COPIED_DIRS = ("additional_chat_templates",)  # transformers' extra named chat templates (*.jinja)
+DRAFTER_CONFIG_KEYS = ("speculative_decoding",)  # ours, in config.json: the export's config is the base's
+
+
+def copy_export_files(model_dir: Path, dst: Path) -> None:
+    """The tokenizer, chat template and generation files of ``model_dir``, and the base's config.json
+    (without our drafter key), so that HF loaders read the export directory as they read a model's."""
+    copy_model_files(model_dir, dst, COPIED_FILES)  # regular files only; links must stay in model_dir
+    for name in COPIED_DIRS:
+        src = model_dir / name
+        if src.is_dir() and not src.is_symlink():
+            (dst / name).mkdir()
+            copy_model_files(src, dst / name, sorted(p.name for p in src.iterdir() if not p.is_dir()))
+    config = json.loads((model_dir / "config.json").read_text())
+    for key in DRAFTER_CONFIG_KEYS:
+        config.pop(key, None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

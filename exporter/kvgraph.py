@@ -7,14 +7,12 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
+from exporter.plan import ONNX_DTYPES
 from graphs import contract as C
-
-_ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
-               "int64": TensorProto.INT64, "bool": TensorProto.BOOL}
 
 
 def value_info(t: C.TensorSpec):
-    return helper.make_tensor_value_info(t.name, _ONNX_TYPES[t.dtype], list(t.dims))
+    return helper.make_tensor_value_info(t.name, ONNX_DTYPES[t.dtype], list(t.dims))
 
 
 def build_kv_update(spec: C.GraphSpec, path: Path, opset: int = 17) -> Path:

@@ -11,9 +11,9 @@ import json
 import os
 from pathlib import Path
 
+from exporter.errors import UserError
 
-class UserError(Exception):
-    """Bad input: printed as one line on stderr by the CLIs, exit code 2."""
+__all__ = ["UserError", "load", "load_model"]  # UserError lives in exporter.errors; importable here as before
 
 
 def _check_model_dir(model_dir: Path) -> dict:
@@ -34,6 +34,15 @@ def _check_model_dir(model_dir: Path) -> dict:
     if not weights:
         raise UserError(f"{model_dir} has no weights (*.safetensors or *.bin); save the model with save_pretrained")
     return data
+
+
+def load(model_dir, *, drafter=None, trust_remote_code: bool = False):
+    """The load stage: ``model_dir`` checked (its side files first: generation_config.json, tokenizer.json,
+    before any tracing), then the PyTorch model with its drafter (:func:`load_model`)."""
+    from exporter.inputs import COPIED_FILES, check_export_inputs
+
+    check_export_inputs(Path(model_dir), COPIED_FILES)
+    return load_model(model_dir, drafter=drafter, trust_remote_code=trust_remote_code)
 
 
 def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote_code: bool = False):
@@ -103,13 +112,13 @@ def _from_pretrained_checked(auto_cls, model_dir: Path, dtype, trust_remote_code
     trained. The base loads with ``output_loading_info=True``; the drafter is restored strictly after.
     """
     from exporter.speculative.checkpoint import (
-        _quiet_transformers,
         huggingface_checkpointing_disabled,
+        quiet_transformers,
         restore_drafter,
     )
     from exporter.speculative.convert import CONFIG_KEY
 
-    with huggingface_checkpointing_disabled(), _quiet_transformers():  # drafter keys are "unexpected" here
+    with huggingface_checkpointing_disabled(), quiet_transformers():  # drafter keys are "unexpected" here
         model, info = auto_cls.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
                                                output_loading_info=True)
     missing = sorted(info.get("missing_keys") or [])

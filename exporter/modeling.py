@@ -106,3 +106,23 @@ def base_forward(
     hidden = inner.norm(hidden)
     logits = model.lm_head(hidden)
     return logits, hidden, aux, cache.new_rows(len(inner.layers))
+
+
+def pairs(flat: list) -> PastKV:
+    """[k0, v0, k1, v1, ...] -> [(k0, v0), (k1, v1), ...]: a graph's flat past inputs as layer pairs."""
+    return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+
+
+def flatten_kv(kv: PastKV) -> list[torch.Tensor]:
+    return [t for pair in kv for t in pair]
+
+
+class BaseParts(torch.nn.Module):
+    """The frozen base modules the EAGLE drafter reads (embeddings, rotary, lm_head), under the HF names."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = model.model.embed_tokens
+        self.model.rotary_emb = model.model.rotary_emb
+        self.lm_head = model.lm_head

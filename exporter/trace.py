@@ -1,4 +1,6 @@
-"""Traceable wrappers for the base and draft graphs, and their ONNX export.
+"""The trace stage: traceable wrappers for the base and draft graphs, and their ONNX export.
+
+    trace_graphs(model, plan, tmp)   every graph of the plan into tmp (traced, or built: K/V updates)
 
 Each wrapper's ``forward`` takes exactly the graph contract's inputs, in order, and returns its
 outputs, in order (:mod:`graphs.contract`). Submodules keep the HF attribute names (``model``,
@@ -9,82 +11,19 @@ outputs, in order (:mod:`graphs.contract`). Submodules keep the HF attribute nam
 from __future__ import annotations
 
 import contextlib
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from exporter.modeling import base_forward, eager_attention
+from exporter.modeling import BaseParts, base_forward, eager_attention, flatten_kv, pairs
+from exporter.plan import ONNX_DTYPES, OPSET, TRACED_ROLES, aux_layer_ids, is_tree_role
 from exporter.speculative.medusa import medusa_logits
 from graphs import contract as C
 
-OPSET = 17
-
-
-def model_dims(model, dtype: str) -> C.ModelDims:
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return C.ModelDims(
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=head_dim,
-        hidden_size=cfg.hidden_size,
-        vocab_size=cfg.vocab_size,
-        dtype=dtype,
-    )
-
-
-def aux_layer_ids(model) -> tuple[int, ...]:
-    if getattr(model, "spec_mode", None) == "eagle" and model.eagle_module.eagle3:
-        return tuple(model.spec_config.eagle_aux_hidden_state_layer_ids)
-    return ()
-
-
-def draft_dims(model, dtype: str) -> C.ModelDims:
-    mod = model.eagle_module
-    base = model_dims(model, dtype)
-    return C.ModelDims(
-        num_layers=len(mod.layers),
-        num_kv_heads=mod.num_kv_heads,
-        head_dim=mod.head_dim,
-        hidden_size=base.hidden_size,
-        vocab_size=base.vocab_size,
-        dtype=dtype,
-    )
-
-
-def graph_specs(model, dtype: str) -> dict[str, C.GraphSpec]:
-    """The contract of every graph this model exports to: {"base": ..., "draft": ...}."""
-    dims = model_dims(model, dtype)
-    n_aux = len(aux_layer_ids(model))
-    specs = {"base": C.base_graph_spec(dims, n_aux=n_aux)}
-    mode = getattr(model, "spec_mode", None)
-    if mode == "medusa":
-        specs["draft"] = C.medusa_graph_spec(dims, num_heads=len(model.medusa_heads))
-    elif mode == "eagle":
-        mod = model.eagle_module
-        vocab = mod.lm_head.out_features if mod.eagle3 else dims.vocab_size
-        specs["draft"] = C.eagle_graph_spec(draft_dims(model, dtype), len(mod.layers), vocab, n_aux=n_aux)
-    # device-side K/V writes for IO binding (graphs.device): one per cache layout
-    specs["kv_update"] = C.kv_update_graph_spec(2 * dims.num_layers, dims.num_kv_heads, dims.head_dim, dtype,
-                                                "kv_update.onnx")
-    if mode == "eagle":
-        dd = draft_dims(model, dtype)
-        specs["draft_kv_update"] = C.kv_update_graph_spec(2 * dd.num_layers, dd.num_kv_heads, dd.head_dim, dtype,
-                                                          "draft_kv_update.onnx")
-    return specs
-
-
-TRACED_ROLES = ("base", "draft")  # graphs traced from the model; the others are built (exporter.kvgraph)
-
-
-def _pairs(flat):
-    return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
-
-
-def flatten_kv(kv):
-    return [t for pair in kv for t in pair]
+__all__ = ["OPSET", "TRACED_ROLES", "aux_layer_ids", "export_graph", "flatten_kv", "graph_module", "trace_graphs"]
 
 
 def _topk(logits: torch.Tensor, k: torch.Tensor):
@@ -103,7 +42,7 @@ class BaseGraph(nn.Module):
         self.aux = aux_layer_ids(model)
 
     def forward(self, input_ids, position_ids, attention_mask, *past):
-        past_kv = _pairs(past) if past else None
+        past_kv = pairs(past) if past else None
         logits, hidden, aux, new = base_forward(self, input_ids, position_ids, attention_mask, past_kv, self.aux)
         return (logits, hidden, *(() if aux is None else (aux,)), *flatten_kv(new))
 
@@ -121,17 +60,6 @@ class MedusaGraph(nn.Module):
         return logits, ids, scores
 
 
-class _BaseParts(nn.Module):
-    """The frozen base modules the EAGLE drafter reads (embeddings, rotary, lm_head)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = model.model.embed_tokens
-        self.model.rotary_emb = model.model.rotary_emb
-        self.lm_head = model.lm_head
-
-
 class EagleGraph(nn.Module):
     """[aux_hidden,] hidden, input_ids, position_ids, attention_mask, *past, topk ->
     hidden_out, logits, topk_ids, topk_logprobs, *present."""
@@ -139,7 +67,7 @@ class EagleGraph(nn.Module):
     def __init__(self, model):
         super().__init__()
         self.eagle_module = model.eagle_module
-        self.base = _BaseParts(model)
+        self.base = BaseParts(model)
         self.eagle3 = model.eagle_module.eagle3
 
     def forward(self, *args):
@@ -149,7 +77,7 @@ class EagleGraph(nn.Module):
             hidden, input_ids, position_ids, mask, *rest = args
             aux = None
         *past, topk = rest
-        past_kv = _pairs(past) if past else None
+        past_kv = pairs(past) if past else None
         out, logits, new = self.eagle_module.step(self.base, hidden, input_ids, position_ids, mask, past_kv, aux)
         ids, scores = _topk(logits, topk)
         ids = self.eagle_module.draft_to_target(ids)
@@ -157,7 +85,7 @@ class EagleGraph(nn.Module):
 
 
 def graph_module(model, role: str) -> nn.Module:
-    if role.startswith(C.TREE_ROLE_PREFIX):
+    if is_tree_role(role):
         from exporter.eagle_tree import graph_for_role
 
         return graph_for_role(model, role)
@@ -205,7 +133,7 @@ _UNCALLED_PARENTS = {"base": ("model",), "draft": ("eagle_module", "base.model",
 
 
 def _uncalled_parents(role: str) -> tuple[str, ...]:
-    return _UNCALLED_PARENTS["draft" if role.startswith(C.TREE_ROLE_PREFIX) else role]
+    return _UNCALLED_PARENTS["draft" if is_tree_role(role) else role]
 
 
 def _called_children(module: nn.Module):
@@ -265,9 +193,6 @@ def scoped_node_names(root: nn.Module, paths: tuple[str, ...]):
             h.remove()
 
 
-_ONNX_DTYPES = {"float32": 1, "uint8": 2, "int8": 3, "int32": 6, "int64": 7, "bool": 9, "float16": 10, "bfloat16": 16}
-
-
 def apply_contract_shapes(proto, spec: C.GraphSpec) -> None:
     """Make the graph's declared I/O exactly the contract's: names, elem types, fixed and symbolic dims.
 
@@ -282,7 +207,7 @@ def apply_contract_shapes(proto, spec: C.GraphSpec) -> None:
             raise RuntimeError(f"traced graph {spec.file} {what}s {got} differ from the contract {want}")
         for v, t in zip(values, specs):
             tt = v.type.tensor_type
-            if tt.elem_type != _ONNX_DTYPES[t.dtype]:
+            if tt.elem_type != ONNX_DTYPES[t.dtype]:
                 raise RuntimeError(
                     f"traced graph {spec.file} {what} {t.name} has ONNX type {tt.elem_type}, "
                     f"the contract says {t.dtype}"
@@ -325,10 +250,112 @@ def export_graph(model, role: str, spec: C.GraphSpec, path: Path, opset: int = O
             dynamo=False,
         )
     proto = onnx.load(str(path), load_external_data=False)  # the graph only: weights stay on disk
-    if role.startswith(C.TREE_ROLE_PREFIX):  # the unrolled tree's shape plumbing folded (exporter.eagle_tree)
+    if is_tree_role(role):  # the unrolled tree's shape plumbing folded (exporter.eagle_tree)
         from exporter.eagle_tree import simplify_traced
 
         proto = simplify_traced(proto, path.parent)
     apply_contract_shapes(proto, spec)
     onnx.save(proto, str(path))
     return path
+
+
+# ----------------------------------------------------------------------------- the stage
+
+EXTERNAL_DATA_BYTES = 1 << 31  # protobuf's 2 GB limit: larger graphs keep weights in one .data file
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def trace_graphs(model, plan, tmp: Path, *, external_data_bytes: int | None = None, steps=None) -> list[str]:
+    """Every graph of ``plan`` (:class:`exporter.plan.ExportPlan`) into ``tmp``: the traced ones from
+    ``model`` cast to the plan's dtype, the K/V updates built. Returns the roles written.
+
+    ``steps``: the export's progress (:class:`exporter.pipeline.Steps`), or None."""
+    import copy
+
+    from exporter.kvgraph import build_kv_update
+
+    step = steps or (lambda what: contextlib.nullcontext())
+    traced = model if plan.dtype == "float32" else copy.deepcopy(model).to(TORCH_DTYPES[plan.dtype])
+    trace = [r for r in plan.specs if r in TRACED_ROLES]
+    trees = [r for r in plan.specs if is_tree_role(r)]
+    with step("trace base graph"):
+        trace_one(traced, "base", plan.specs["base"], tmp, plan.opset, external_data_bytes)
+    with step("trace draft graph" if "draft" in trace else "trace draft graph (none: base only)"):
+        if "draft" in trace:
+            trace_one(traced, "draft", plan.specs["draft"], tmp, plan.opset, external_data_bytes)
+        for role in trees:  # one-call EAGLE-2 trees (exporter.eagle_tree)
+            trace_one(traced, role, plan.specs[role], tmp, plan.opset, external_data_bytes)
+        for role in plan.built_roles:
+            build_kv_update(plan.specs[role], tmp / plan.specs[role].file, opset=plan.opset)
+    del traced
+    return list(plan.specs)
+
+
+def trace_one(model, role: str, spec: C.GraphSpec, tmp: Path, opset: int = OPSET,
+              external_data_bytes: int | None = None) -> None:
+    """Trace into a scratch dir, then store as one .onnx (+ one .onnx.data if over
+    ``external_data_bytes``, default :data:`EXTERNAL_DATA_BYTES`)."""
+    limit = EXTERNAL_DATA_BYTES if external_data_bytes is None else external_data_bytes
+    scratch = tmp / f"_trace_{role}"
+    scratch.mkdir()
+    path = export_graph(model, role, spec, scratch / spec.file, opset=opset)
+    files = list(scratch.iterdir())
+    size = sum(f.stat().st_size for f in files)
+    if size < limit and len(files) == 1:
+        path.rename(tmp / spec.file)
+    else:
+        consolidate_external_data(path, tmp / spec.file)
+    shutil.rmtree(scratch)
+
+
+def _tensors(graph):
+    """Every TensorProto stored in ``graph``: initializers and constant attributes, subgraphs too."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _tensors(attr.g)
+            for g in attr.graphs:
+                yield from _tensors(g)
+
+
+def consolidate_external_data(src: Path, dst: Path, min_bytes: int = 1024, align: int = 4096) -> Path:
+    """Rewrite ``src`` (weights inline or in per-tensor files beside it) as ``dst`` + ``dst.data``.
+
+    Streams tensor by tensor, so the weights never sit in memory all at once (``onnx.load`` of a
+    1.1B-parameter graph would hold all 4.4 GB, and ``onnx.save`` a second copy). Tensors under
+    ``min_bytes`` stay inline; offsets are page-aligned so ONNX Runtime can mmap them.
+    """
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    proto = onnx.load(str(src), load_external_data=False)
+    data_name = f"{dst.name}.data"
+    with open(dst.parent / data_name, "wb") as out:
+        for t in _tensors(proto.graph):
+            if uses_external_data(t):
+                info = ExternalDataInfo(t)
+                with open(src.parent / info.location, "rb") as f:
+                    f.seek(info.offset or 0)
+                    data = f.read(info.length) if info.length else f.read()
+                del t.external_data[:]
+            elif t.HasField("raw_data") and len(t.raw_data) >= min_bytes:
+                data = t.raw_data
+                t.ClearField("raw_data")
+            else:
+                continue
+            offset = -(-out.tell() // align) * align
+            out.seek(offset)
+            out.write(data)
+            for key, value in (("location", data_name), ("offset", offset), ("length", len(data))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, str(value)
+            t.data_location = onnx.TensorProto.EXTERNAL
+            del data
+    onnx.save(proto, str(dst))
+    return dst
+
+

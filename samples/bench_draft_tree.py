@@ -25,6 +25,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from exporter.plan import is_tree_role
 from graphs import contract as C
 from graphs.manifest import Manifest
 from graphs.sessions import make_session, use_shared_thread_pool
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     use_shared_thread_pool(args.threads)
     mans = [Manifest.read(Path(e)) for e in args.exports]
-    roles = args.roles or [r for r in mans[0].graphs if r.startswith(C.TREE_ROLE_PREFIX)]
+    roles = args.roles or [r for r in mans[0].graphs if is_tree_role(r)]
     result = {"command": sys.argv, "machine": platform.processor() or platform.machine(), "threads": args.threads,
               "batch": args.batch, "rows": args.rows, "past": args.past, "repeats": args.repeats, "roles": {}}
     for role in roles:

@@ -5,7 +5,7 @@
 
 Builds the base with TinyLlama-1.1B's configuration (samples/scale_export.py; nothing downloaded),
 exports it without a drafter (``--no-validate``: samples/scale_export.py is the export's own check
-at this size), and runs :func:`exporter.variants.run_variants` on it: base-graph latency at 1, 8,
+at this size), and runs :func:`exporter.benchmark.variants.run_variants` on it: base-graph latency at 1, 8,
 16 and 32 tree tokens over a 256-token past, variants interleaved. ``--layers N`` keeps the real
 layer shape with fewer layers (per-layer cost; the lm_head and embeddings stay full size) when
 time or memory is short: the report says how many layers were measured. ``--shape medium`` uses
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--png", type=Path)
     args = ap.parse_args(argv)
 
-    from exporter import variants
+    from exporter.benchmark import variants
     from exporter.export import export
     from exporter.speculative import enable_huggingface_checkpointing
     from graphs.sessions import use_shared_thread_pool

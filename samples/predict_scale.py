@@ -6,7 +6,7 @@
     # check the method on a trained model: measure its own export, predict, compare with the bench run
     python samples/predict_scale.py --export runs/medium_eagle/onnx --acceptance bench-eagle.json
 
-Cost model (docs: DESIGN.md "Per-step cost model"), per decode step of our runtime::
+Cost model (docs/DESIGN.md, "Per-step cost model"), per decode step of our runtime::
 
     autoregressive  t_ar   = verify(1) + host_ar                     tokens/s = 1 / t_ar
     speculative     t_spec = verify(T) + calls x draft(k) + host_spec   tokens/s = tau(T) / t_spec

@@ -199,9 +199,10 @@ def test_export_cli_takes_a_hub_id(tiny_model_dir, tmp_path):
 
 def test_remote_code_only_when_asked(tiny_model_dir, tmp_path, monkeypatch):
     import exporter.export as ex
+    import exporter.loading
 
     seen = []
-    monkeypatch.setattr(ex, "load_model", lambda *a, **k: seen.append(k.get("trust_remote_code")) or
+    monkeypatch.setattr(exporter.loading, "load_model", lambda *a, **k: seen.append(k.get("trust_remote_code")) or
                         (_ for _ in ()).throw(UserError("stop here")))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert ex.main([str(tiny_model_dir("medusa")), str(tmp_path / "a")]) == 2

@@ -11,8 +11,8 @@ import pytest
 from conftest import run_module
 from onnx import numpy_helper
 
-from exporter.compare import TOLERANCES, Tolerance, compare_arrays
 from exporter.compare import main as compare_main
+from exporter.compare_report import TOLERANCES, Tolerance, compare_arrays
 from graphs.manifest import Manifest
 
 TRACED_CASES = {"prefill", "decode", "tree_b2_past6", "batch2_holes"}

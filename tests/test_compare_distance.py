@@ -16,8 +16,10 @@ import pytest
 from onnx import numpy_helper
 from test_compare import run_compare
 
-from exporter.compare import TOLERANCES, _role_dtype, compare
+from exporter.compare import compare
+from exporter.compare_report import TOLERANCES
 from exporter.distance import QUALITY, Quality, logits_distance, perplexity
+from exporter.validate import _role_dtype
 from graphs import contract as C
 from graphs.manifest import MANIFEST, Manifest
 

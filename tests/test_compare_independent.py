@@ -18,10 +18,12 @@ from conftest import DRAFTERS, build_tiny_model
 import exporter.compare as cmp
 import exporter.modeling
 import exporter.trace
+import exporter.validate
 from exporter.export import export
 from exporter.hf_reference import configured_aux_layers, hf_base_cases
 from exporter.loading import UserError
-from exporter.trace import BaseGraph, graph_specs
+from exporter.plan import graph_specs
+from exporter.trace import BaseGraph
 from graphs import contract as C
 
 HF_CASES = {"hf_prefill_b2", "hf_step1_b2", "hf_step2_b2", "hf_step3_b2", "hf_chunk4_b2"}
@@ -140,7 +142,7 @@ def _int32_ids(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 def test_case_whose_onnx_run_raises_is_a_failure_not_a_skip(exported, tiny_model_dir, tmp_path, monkeypatch,
                                                              capsys, target):
     model_dir, out_dir = tiny_model_dir("eagle3"), exported("eagle3")  # exported before the patch
-    base_cases, hf_cases = cmp.base_cases, cmp.hf_base_cases
+    base_cases, hf_cases = exporter.validate.base_cases, exporter.validate.hf_base_cases
 
     def patched_base_cases(*a, **k):
         return [(name, _int32_ids(x) if name == target else x) for name, x in base_cases(*a, **k)]
@@ -152,8 +154,8 @@ def test_case_whose_onnx_run_raises_is_a_failure_not_a_skip(exported, tiny_model
                 c.inputs = _int32_ids(c.inputs)
         return cases
 
-    monkeypatch.setattr(cmp, "base_cases", patched_base_cases)
-    monkeypatch.setattr(cmp, "hf_base_cases", patched_hf_cases)
+    monkeypatch.setattr(exporter.validate, "base_cases", patched_base_cases)
+    monkeypatch.setattr(exporter.validate, "hf_base_cases", patched_hf_cases)
     report_file = tmp_path / "report.json"
     rc, out, err = run_compare(capsys, model_dir, out_dir, "--json", report_file)
     assert rc == 1, out + err
@@ -177,7 +179,7 @@ def test_reference_that_raises_is_a_failure(exported, tiny_model_dir, monkeypatc
     def boom(*a, **k):
         raise RuntimeError("HF changed its cache API")
 
-    monkeypatch.setattr(cmp, "hf_base_cases", boom)
+    monkeypatch.setattr(exporter.validate, "hf_base_cases", boom)
     report = cmp.compare(model_dir, out_dir)
     assert not report.ok
     (bad,) = report.failures()

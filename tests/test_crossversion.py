@@ -13,9 +13,9 @@ import pytest
 import transformers
 
 import graphs
-from exporter.compare import compare_model
 from exporter.e2e import compare_tokens
 from exporter.loading import load_model
+from exporter.validate import compare_model
 from graphs.manifest import Manifest
 
 # every architecture, each drafter kind at least once

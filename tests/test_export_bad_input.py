@@ -17,8 +17,10 @@ import pytest
 import torch
 from conftest import build_tiny_model, run_module, save_tiny_model
 
-import exporter.compare
 import exporter.export as ex
+import exporter.outdir
+import exporter.trace
+import exporter.validate
 from exporter.loading import UserError
 
 
@@ -305,15 +307,15 @@ def _half_written_trace(model, role, spec, path, opset=17):
 
 def _patch_failure(monkeypatch, how: str):
     if how == "compare":
-        monkeypatch.setattr(exporter.compare, "compare_model", _boom)
+        monkeypatch.setattr(exporter.validate, "compare_model", _boom)
     elif how == "tracer":
-        monkeypatch.setattr(ex, "export_graph", _half_written_trace)
+        monkeypatch.setattr(exporter.trace, "export_graph", _half_written_trace)
     elif how == "interrupt":
         def interrupt(*a, **k):
             raise KeyboardInterrupt
-        monkeypatch.setattr(exporter.compare, "compare_model", interrupt)
+        monkeypatch.setattr(exporter.validate, "compare_model", interrupt)
     elif how == "manifest":
-        monkeypatch.setattr(ex.Manifest, "write", _boom)
+        monkeypatch.setattr(exporter.outdir, "write_manifest", _boom)
 
 
 @pytest.mark.parametrize("how", ["compare", "tracer", "manifest"])
@@ -347,7 +349,7 @@ def test_failure_half_way_keeps_existing_out_dir(bad, tmp_path, monkeypatch, cap
 
 def test_graphs_that_disagree_with_pytorch_are_not_written(bad, tmp_path, monkeypatch, capsys):
     """The export's own check: a graph traced with a perturbed lm_head fails it, and nothing is written."""
-    real = ex.export_graph
+    real = exporter.trace.export_graph
 
     def traced_with_noise(model, role, spec, path, opset=17):
         with torch.no_grad():
@@ -358,7 +360,7 @@ def test_graphs_that_disagree_with_pytorch_are_not_written(bad, tmp_path, monkey
             with torch.no_grad():
                 model.lm_head.weight.sub_(0.05)
 
-    monkeypatch.setattr(ex, "export_graph", traced_with_noise)
+    monkeypatch.setattr(exporter.trace, "export_graph", traced_with_noise)
     out = tmp_path / "onnx"
     rc, stdout, err = run_main(capsys, bad["good"], out)
     assert rc == 2

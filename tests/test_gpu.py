@@ -78,8 +78,8 @@ def test_cuda_greedy_equals_cpu_greedy(cuda_export, kind):
 
 def test_cuda_compare_passes_at_float16_tolerance(cuda_export, tiny_model_dir):
     """exporter.compare on the CUDA EP: PyTorch float32 vs the optimized float16 graphs."""
-    from exporter.compare import compare_model
     from exporter.loading import load_model
+    from exporter.validate import compare_model
 
     report = compare_model(load_model(tiny_model_dir("eagle3")), cuda_export("eagle3"), provider="cuda")
     assert report.ok, report.table()

@@ -85,8 +85,8 @@ def test_fusions_replace_attention_and_norms(exported, optimized, kind):
 def test_exact_passes_pass_compare(tiny_model_dir, optimized, kind, combo):
     """PyTorch vs the optimized graphs on compare's cases (non-causal tree at batch 2 with a past,
     batch with holes, decode, prefill; the drafter's tree step), at the dtype's tolerance."""
-    from exporter.compare import compare_model
     from exporter.loading import load_model
+    from exporter.validate import compare_model
 
     out = optimized(kind, **combo)
     report = compare_model(load_model(tiny_model_dir(kind)), out)

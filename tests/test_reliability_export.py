@@ -23,6 +23,7 @@ from helpers import one_line, run_export_main
 
 import exporter.export as ex
 import exporter.outdir
+import exporter.trace
 from exporter.loading import UserError
 from graphs.manifest import MANIFEST, PARTIAL_MARK
 
@@ -39,7 +40,7 @@ def ours(parent: Path) -> list[str]:
 
 def during_trace(monkeypatch, action):
     """Run ``action()`` once, while the first graph is being traced (the export is half done)."""
-    real, done = ex.export_graph, []
+    real, done = exporter.trace.export_graph, []
 
     def hooked(*args, **kwargs):
         if not done:
@@ -47,7 +48,7 @@ def during_trace(monkeypatch, action):
             action()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ex, "export_graph", hooked)
+    monkeypatch.setattr(exporter.trace, "export_graph", hooked)
     return done
 
 
@@ -220,12 +221,13 @@ SIGTERM_SCRIPT = """
 import sys, time
 from pathlib import Path
 import exporter.export as ex
+import exporter.trace
 ready = Path(sys.argv[3])
 def traced(*a, **k):
     ready.write_text("tracing")
     while True:
         time.sleep(0.05)  # blocks here until the test's SIGTERM arrives
-ex.export_graph = traced
+exporter.trace.export_graph = traced
 sys.exit(ex.main([sys.argv[1], sys.argv[2], "--no-validate"]))
 """
 

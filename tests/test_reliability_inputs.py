@@ -18,6 +18,7 @@ from conftest import build_tiny_model, run_module, save_tiny_model
 from helpers import one_line, run_export_main
 
 import exporter.export as ex
+import exporter.trace
 from exporter.loading import UserError, load_model
 from graphs.manifest import MANIFEST
 
@@ -34,7 +35,7 @@ def no_tracing(monkeypatch):
     def traced(*a, **k):
         raise AssertionError("the export traced a graph before refusing its input")
 
-    monkeypatch.setattr(ex, "export_graph", traced)
+    monkeypatch.setattr(exporter.trace, "export_graph", traced)
 
 
 def copy(src: Path, dst: Path) -> Path:

@@ -99,7 +99,7 @@ def test_optimize_without_a_drafter_skips_tuning(exported, tmp_path):
 def test_bench_variants_end_to_end_with_retuned_trees(exported, tmp_path):
     """bench --variants raw,int4 --tune: each variant's tree re-tuned for its graphs, run end to end
     through the bench's own systems (regression: this path imported helpers the bench no longer had)."""
-    from exporter.variants import run_variants
+    from exporter.benchmark.variants import run_variants
 
     out = _copy(exported("medusa"), tmp_path)
     rep = run_variants(out, ["raw", "int4"], tree_tokens=(1, 4), past=8, max_new_tokens=6, repeats=1, prompts=1,

@@ -1,8 +1,6 @@
-"""Benchmark prompts: a file of the user's own (text lines or JSONL), or the built-in set.
+"""Benchmark prompts: a file of the user's own (read by :mod:`exporter.prompts`), or the built-in set.
 
-A text file holds one prompt per line (``\\n`` inside a line stands for a newline). A JSONL file
-(``.jsonl``, or every line a JSON object) holds ``{"prompt": "..."}`` or ``{"messages": [...]}`` per
-line; ``messages`` go through the export's chat template (``chat_template.jinja`` or
+Chat ``messages`` go through the export's chat template (``chat_template.jinja`` or
 ``tokenizer_config.json``'s ``chat_template``), rendered with jinja2's sandbox exactly as
 ``transformers``' ``apply_chat_template`` does, so the runtime side needs no transformers.
 
@@ -17,19 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.loading import UserError
-
-# Python snippets: the demo model is trained on the standard library's source
-DEFAULT_PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(",
-    "class Config:\n    def __init__(self, ",
-    "    for name, value in ",
-    "def _parse(self, text):\n    ",
-    "        if not isinstance(",
-    "    return ",
-    "# Copyright",
-    "from collections import ",
-]
+from exporter.errors import UserError
+from exporter.prompts import DEFAULT_PROMPTS, read_prompt_file
 
 
 @dataclass
@@ -37,43 +24,6 @@ class Prompt:
     ids: list[int]
     text: str | None  # None for random-id prompts (an export without a tokenizer)
     source: str  # "builtin" | "text" | "prompt" | "messages" | "random"
-
-
-def read_prompt_file(path) -> list[dict]:
-    """Entries of a prompts file: ``{"prompt": str}`` or ``{"messages": list}``, in file order."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"--prompts-file {path} does not exist (or is not a regular file)")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise UserError(f"--prompts-file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    lines = [ln for ln in lines if ln.strip()]
-    if not lines:
-        raise UserError(f"--prompts-file {path} holds no prompts; put one prompt per line (or JSONL)")
-    jsonl = path.suffix == ".jsonl" or all(ln.lstrip().startswith("{") for ln in lines)
-    if not jsonl:
-        return [{"prompt": ln.replace("\\n", "\n")} for ln in lines]
-    entries = []
-    for n, ln in enumerate(lines, 1):
-        try:
-            obj = json.loads(ln)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not valid JSON ({e.msg}); JSONL needs one object per line") from None
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and obj["prompt"]:
-            entries.append({"prompt": obj["prompt"]})
-        elif isinstance(obj, dict) and _valid_messages(obj.get("messages")):
-            entries.append({"messages": obj["messages"]})
-        else:
-            raise UserError(f'{path}:{n}: each line needs a non-empty "prompt" string or a "messages" list of '
-                            f'{{"role", "content"}} objects')
-    return entries
-
-
-def _valid_messages(m) -> bool:
-    return (isinstance(m, list) and bool(m)
-            and all(isinstance(x, dict) and isinstance(x.get("role"), str) and isinstance(x.get("content"), str)
-                    for x in m))
 
 
 def load_chat_template(out_dir) -> tuple[str, dict]:

@@ -186,11 +186,9 @@ def optimum_model(plain: Path, python: str, work: Path, log) -> tuple[Path | Non
 
 
 def ours_variant(out_dir: Path, quantize: str, work: Path, log) -> tuple[Path | None, str]:
-    """A quantized copy of our export, by the optimize stage (``exporter.optimize``) where it exists."""
-    try:
-        from exporter.optimize import optimize_export
-    except ImportError:
-        return None, "exporter.optimize is not in this checkout (the optimize stage makes int4 variants)"
+    """A quantized copy of our export, by the optimize stage (:func:`exporter.pipeline.optimize_export`)."""
+    from exporter.pipeline import optimize_export
+
     dst = work / f"ours-{quantize}-{_key(out_dir, quantize)}"
     if (dst / "manifest.json").is_file():
         return dst, ""

@@ -1,6 +1,6 @@
 """Raw graph vs optimized graph on the same random inputs: the optimize stage's own gate.
 
-Cases follow the contract's hard parts (DESIGN.md "Correctness is the product"): a random
+Cases follow the contract's hard parts (docs/DESIGN.md, "Correctness is the product"): a random
 non-causal tree mask at batch 2 over a past with holes (each sequence misses some past columns),
 a one-token decode with a past, and a prefill without one. Inputs are built from the graph's
 :class:`graphs.contract.GraphSpec` alone, so this needs neither torch nor the source model.

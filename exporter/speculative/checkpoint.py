@@ -33,7 +33,7 @@ _original_from_pretrained = None
 
 
 def _from_pretrained_and_restore(cls, *args, **kwargs):
-    with _quiet_transformers():  # the drafter keys are "unexpected" for the plain base class
+    with quiet_transformers():  # the drafter keys are "unexpected" for the plain base class
         model = _original_from_pretrained.__func__(cls, *args, **kwargs)
     saved = getattr(model.config, CONFIG_KEY, None)
     if saved and not is_converted(model):
@@ -43,7 +43,7 @@ def _from_pretrained_and_restore(cls, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     log = logging.getLogger("transformers")
     old = log.level
     log.setLevel(logging.ERROR)

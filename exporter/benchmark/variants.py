@@ -3,16 +3,17 @@
     python -m exporter.bench out_dir --variants raw,fused,int8,int4 [--json v.json] [--png v.png]
 
 Copies the (raw) export once per variant into a scratch directory beside it, optimizes each copy
-(:func:`exporter.optimize.optimize_export`), then measures, interleaving the variants so that
+(:func:`exporter.pipeline.optimize_export`), then measures, interleaving the variants so that
 machine noise hits them alike:
 
 - verify latency of the base graph at 1, 8, 16 and 32 tree tokens over a 256-token past (random
   non-causal tree masks, batch 1; median of ``repeats`` x 10 runs), and each size's cost relative
   to one token (the number that decides the best tree);
 - end to end, when the export has a drafter: tokens/s autoregressive and speculative with the
-  default tree (``exporter.bench.run_bench``: same prompts, greedy outputs checked equal), and with
+  default tree (:func:`exporter.benchmark.run.bench`: same prompts, greedy outputs checked equal), and with
   ``sweep`` the best tree of ``exporter.bench``'s sweep per variant; with ``tune`` each variant's
-  default tree is first re-tuned for its own graphs (``exporter.tune``, as ``exporter.optimize`` does).
+  default tree is first re-tuned for its own graphs (:func:`exporter.pipeline.tune_export`, as
+``exporter.optimize`` does).
 
 The scratch copies are deleted afterwards unless ``keep``. JSON-able report; :func:`draw` plots it.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.loading import UserError
+from exporter.errors import UserError
 
 VARIANTS: dict[str, dict] = {
     "raw": {},  # the export as traced
@@ -43,32 +44,10 @@ TREE_TOKENS = (1, 8, 16, 32)
 
 def prepare(out_dir: Path, names: list[str], work: Path, log=print, tune: bool = False,
             threads: int | None = None) -> dict[str, Path]:
-    """One optimized copy of ``out_dir`` per variant under ``work``; ``tune``: each copy's default tree
-    re-tuned for its own graphs on this machine (exporter.tune), as ``python -m exporter.optimize`` does."""
-    from exporter.optimize import TUNE_BUDGET_S, optimize_export
-    from exporter.tune import tune as tune_tree
-    from graphs.manifest import Manifest
+    """One optimized copy of ``out_dir`` per variant under ``work`` (:func:`exporter.pipeline.prepare_variants`)."""
+    from exporter.pipeline import prepare_variants
 
-    manifest = Manifest.read(out_dir, verify=False)
-    if manifest.optimization:
-        raise UserError(f"{out_dir} is already optimized; --variants needs the raw export (re-export it)")
-    tune = tune and bool(manifest.drafter)
-    quiet = lambda *a, **k: None
-    dirs = {}
-    for name in names:
-        d = work / name
-        shutil.copytree(out_dir, d)
-        if name != "raw":
-            log(f"variant {name}:", flush=True)
-            summary = optimize_export(d, progress=quiet, time_gain=False, tune=tune, tune_threads=threads,
-                                      **VARIANTS[name])
-            tree = summary.get("tune", {}).get("tree")
-        elif tune:  # the raw copy is not optimized: tuned as optimize tunes the others
-            tree = tune_tree(d, threads=threads, budget_s=TUNE_BUDGET_S, log=quiet)["tree"]
-        if tune:
-            log(f"variant {name}: tuned tree {tree}", flush=True)
-        dirs[name] = d
-    return dirs
+    return prepare_variants(out_dir, {n: VARIANTS[n] for n in names}, work, log, tune=tune, threads=threads)
 
 
 def verify_latency(dirs: dict[str, Path], tree_tokens=TREE_TOKENS, past: int = 256, repeats: int = 5,
@@ -105,10 +84,10 @@ def verify_latency(dirs: dict[str, Path], tree_tokens=TREE_TOKENS, past: int = 2
 
 def end_to_end(dirs: dict[str, Path], max_new_tokens: int, repeats: int, prompts: int, threads: int | None,
                sweep: bool, log=print) -> dict:
-    """tokens/s autoregressive and speculative per variant: :func:`exporter.bench.bench` (its systems
+    """tokens/s autoregressive and speculative per variant: :func:`exporter.benchmark.run.bench` (its systems
     ours-ar and ours-spec, each in its own process, same prompts, greedy outputs checked equal) on
     each variant's export; with ``sweep`` its tree sweep too (the default tree beside hand-picked ones)."""
-    from exporter.bench import BenchOptions, bench
+    from exporter.benchmark.run import BenchOptions, bench
     from graphs.manifest import Manifest
 
     out = {}

@@ -1,0 +1,297 @@
+"""One benchmark run: the systems of ``python -m exporter.bench``, prepared, measured interleaved, reported.
+
+    bench(out_dir, BenchOptions(...)) -> report (JSON-able; :mod:`exporter.benchmark.report` draws it)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from exporter.benchmark import report as R
+from exporter.benchmark import systems as S
+from exporter.benchmark.prompts import build_prompts
+from exporter.errors import UserError
+
+PEERS = ("genai", "hf", "optimum")
+# our variants: the export as it is, or a copy through the optimize stage (fused; quantized)
+PRECISIONS = {"fp32": None, "opt": "none", "int8": "int8", "int4": "int4"}
+GENAI_PRECISIONS = ("fp32", "int4")  # what onnxruntime-genai's builder is asked for
+
+
+@dataclass
+class BenchOptions:
+    model_dir: str | None = None  # the HF source of the export: peers build from it
+    prompts_file: str | None = None
+    prompts: int | None = None  # how many prompts (default: all of the file, or 8 built-in)
+    max_new_tokens: int = 96
+    repeats: int = 3
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    threads: int | None = None
+    tree: object = None  # Medusa paths or EAGLE {topk, depth, total_tokens}; default: the manifest's
+    precisions: tuple = ("fp32",)
+    peers: tuple = PEERS
+    draft_model: str | None = None  # HF assistant model for hf-assisted
+    prompt_lookup: int = 10  # HF prompt_lookup_num_tokens
+    optimum_python: str | None = None  # a python with optimum-onnx (it pins transformers < 4.58)
+    load_options: dict = field(default_factory=dict)  # extra graphs.load() keywords (eagle_draft=...)
+    sweep: bool = False
+    work: str | None = None  # keep peers' builds here (default: a temporary directory)
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise UserError(msg)
+
+        need(self.prompts is None or self.prompts >= 1, f"--prompts must be >= 1, got {self.prompts}")
+        need(self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}")
+        need(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        need(self.threads is None or self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
+        need(math.isfinite(self.temperature) and self.temperature >= 0,
+             f"--temperature must be a finite number >= 0, got {self.temperature}")
+        need(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
+        need(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
+        bad = [p for p in self.precisions if p not in PRECISIONS] + [p for p in self.peers if p not in PEERS]
+        need(not bad, f"unknown precision or peer {bad[0] if bad else ''!r}; precisions: {', '.join(PRECISIONS)} "
+                      f"(opt: fused fp32); "
+                      f"peers: {', '.join(PEERS)}")
+
+
+def check_writable(path, flag: str) -> None:
+    """Fail before the run, not after it, if a report cannot be written where asked."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{flag} {p} is a directory; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"{flag} {p}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UserError(f"{flag} {p} is not writable; check its permissions")
+
+
+def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> list[S.System]:
+    """The systems of this run, their models prepared (or the reason each is skipped)."""
+    systems = []
+    ours_base = {"runner": "ours", "threads": opts.threads, "load_options": opts.load_options}
+    for prec in opts.precisions:
+        sfx = "" if prec == "fp32" else f"-{prec}"
+        path, why = (out_dir, "") if prec == "fp32" else S.ours_variant(out_dir, PRECISIONS[prec], work, log)
+        ar = S.System(f"ours-ar{sfx}", "ours", {**ours_base, "out_dir": str(path), "mode": "autoregressive"},
+                      precision=prec)
+        mine = [ar]
+        if manifest.drafter:
+            mine.append(S.System(f"ours-spec{sfx}", "ours", {**ours_base, "out_dir": str(path),
+                                 "mode": "speculative", "tree": opts.tree}, precision=prec, must_equal=ar.name))
+        for s in mine:
+            if not path:
+                s.skip(why)
+        systems += mine
+    peers = [p for p in opts.peers]
+    if not peers:
+        return systems
+    names = {"genai": [f"genai{'' if p == 'fp32' else '-' + p}" for p in opts.precisions if p in GENAI_PRECISIONS],
+             "hf": ["hf", "hf-pld"] + (["hf-assisted"] if opts.draft_model else []), "optimum": ["optimum"]}
+    if not opts.model_dir:
+        for p in peers:
+            for n in names[p]:
+                s = S.System(n, p, {})
+                s.skip("needs --model-dir (the HF directory the export was made from)")
+                systems.append(s)
+        return systems
+    plain, why = S.plain_base(Path(opts.model_dir), work, log)
+    hf_ref = "hf"
+    for p in peers:
+        for n in names[p]:
+            prec = n.split("-")[1] if p == "genai" and "-" in n else "fp32"
+            s = S.System(n, p, {"threads": opts.threads}, precision=prec)
+            systems.append(s)
+            if plain is None:
+                s.skip(why)
+                continue
+            if p == "genai":
+                model, why2 = S.genai_model(plain, prec, work, log)
+                s.spec.update(runner="genai", model=str(model))
+                s.compare_to = "ours-ar" if prec == "fp32" else f"ours-ar-{prec}"
+            elif p == "hf":
+                model, why2 = plain, ""
+                s.spec.update(runner="hf", model=str(plain))
+                if n == "hf-pld":
+                    s.spec["prompt_lookup"] = opts.prompt_lookup
+                if n == "hf-assisted":
+                    s.spec["assistant"] = str(opts.draft_model)
+                s.compare_to = "ours-ar" if n == hf_ref else hf_ref
+            else:
+                if not opts.optimum_python:
+                    s.skip("no --optimum-python given: optimum-onnx pins transformers < 4.58, so it needs its own "
+                           "environment; pass that environment's python")
+                    continue
+                s.python = opts.optimum_python
+                model, why2 = S.optimum_model(plain, opts.optimum_python, work, log)
+                s.spec.update(runner="optimum", model=str(model))
+                s.compare_to = "hf"
+            if model is None:
+                s.skip(why2)
+    return systems
+
+
+def _tree_sizes(kind: str, drafter: dict) -> list:
+    """Trees of growing size for ``--sweep``: Medusa paths or EAGLE settings."""
+    from graphs.trees import default_medusa_paths
+
+    if kind == "medusa":
+        trees = {}
+        for s in (2, 4, 8, 12, 16, 24, 32):
+            paths = default_medusa_paths(drafter["num_heads"], size=s)
+            trees.setdefault(len(paths), paths)  # the heuristic stops growing where paths get unlikely
+        return list(trees.values())
+    return [{"topk": k, "depth": d, "total_tokens": t}
+            for k, d, t in [(1, 2, 3), (2, 3, 6), (4, 4, 8), (4, 4, 12), (6, 5, 16), (8, 5, 24), (8, 6, 32)]]
+
+
+def _tree_size(tree) -> int:
+    return tree["total_tokens"] if isinstance(tree, dict) else 1 + len(tree)
+
+
+def bench(out_dir, opts: BenchOptions | None = None, log=print) -> dict:
+    """Run every planned system on the same prompts; return the report (see ``report.SCHEMA``)."""
+    from tokenizers import Tokenizer
+
+    from graphs.manifest import Manifest
+
+    opts = opts or BenchOptions()
+    out_dir = Path(out_dir).absolute()
+    manifest = Manifest.read(out_dir, verify=False)  # each worker's graphs.load() checks the hashes
+    tokenizer = Tokenizer.from_file(str(out_dir / manifest.tokenizer)) if manifest.tokenizer else None
+    prompts = build_prompts(out_dir, tokenizer, opts.prompts_file, opts.prompts, opts.seed,
+                            manifest.source["vocab_size"],
+                            frozenset(manifest.generation.get("eos_token_ids") or []) | {0})
+    own_work = opts.work is None
+    work = Path(tempfile.mkdtemp(prefix="bench-")) if own_work else Path(opts.work).absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _bench(out_dir, manifest, prompts, opts, work, log)
+    finally:
+        if own_work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, log) -> dict:
+    t_start = time.perf_counter()
+    log(f"measuring copy bandwidth ({opts.threads or os.cpu_count()} threads)")
+    bandwidth = R.copy_bandwidth(opts.threads)
+    log("planning systems")
+    systems = plan(out_dir, manifest, opts, work, log)
+    try:
+        for s in systems:
+            log(f"  starting {s.name}")
+            S.start(s, work, log)
+            if s.status == "ok":  # warm-up: first runs allocate
+                S.run(s, _request(prompts[0].ids, opts, 8, None))
+            if s.status != "ok":
+                log(f"  {s.name}: {s.status}: {s.reason}")
+        live = [s for s in systems if s.status == "ok"]
+        total = opts.repeats * len(prompts)
+        log(f"running {len(live)} systems x {len(prompts)} prompts x {opts.repeats} repeats")
+        for r in range(opts.repeats):
+            for i, p in enumerate(prompts):
+                k = r * len(prompts) + i
+                order = live[k % len(live):] + live[: k % len(live)] if live else []
+                for s in order:
+                    if s.status == "ok":
+                        reply = S.run(s, _request(p.ids, opts, opts.max_new_tokens, opts.seed + k))
+                        if reply is not None:
+                            s.runs.append({**reply, "_prompt": i})
+                if (k + 1) % max(1, total // 10) == 0 or k + 1 == total:
+                    log(f"  {k + 1}/{total} prompt runs ({time.perf_counter() - t_start:.0f} s)")
+        sweep = _sweep(systems, prompts, manifest, opts, log) if opts.sweep else None
+    finally:
+        for s in systems:
+            S.close(s)
+    n_tokens = [len(p.ids) for p in prompts]
+    entries = [R.summarize(s, n_tokens, bandwidth) for s in systems]
+    ok = {e["name"] for e in entries if e["status"] == "ok"}
+    anchor = next((a for a in ("genai", "ours-ar") if a in ok), None)
+    R.speedups(entries, [a for a in ("genai", "ours-ar", "ours-ar-opt", "genai-int4", "ours-ar-int4", "hf") if a in ok])
+    greedy = R.greedy_check(systems, len(prompts)) if opts.temperature == 0 else []
+    report = {
+        "schema": R.SCHEMA,
+        "out_dir": str(out_dir),
+        "model_dir": opts.model_dir,
+        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                    "copy_bandwidth_bytes_per_s": bandwidth, "python": platform.python_version()},
+        "settings": {"prompts": len(prompts), "prompts_file": opts.prompts_file,
+                     "prompt_sources": sorted({p.source for p in prompts}),
+                     "mean_prompt_tokens": sum(n_tokens) / len(n_tokens), "max_new_tokens": opts.max_new_tokens,
+                     "repeats": opts.repeats, "temperature": opts.temperature, "top_p": opts.top_p,
+                     "top_k": opts.top_k, "seed": opts.seed, "threads": opts.threads,
+                     "precisions": list(opts.precisions), "load_options": opts.load_options,
+                     "drafter": manifest.drafter["kind"] if manifest.drafter else None,
+                     "tree": opts.tree or manifest.tree},
+        "anchor": anchor,
+        "systems": entries,
+        "greedy": greedy if opts.temperature == 0 else "not checked: sampling (temperature > 0)",
+        "greedy_mismatches": sum(1 for g in greedy if g["must_equal"] and g["prompts_equal"] < g["prompts_compared"]),
+        "seconds": time.perf_counter() - t_start,
+    }
+    if sweep is not None:
+        report["sweep"] = sweep
+    return report
+
+
+def _request(ids, opts: BenchOptions, max_new: int, seed, tree=None) -> dict:
+    return {"ids": ids, "max_new_tokens": max_new, "temperature": opts.temperature, "top_p": opts.top_p,
+            "top_k": opts.top_k, "seed": seed, "tree": tree}
+
+
+def _sweep(systems, prompts, manifest, opts: BenchOptions, log) -> list | None:
+    """ours-spec per tree size, each prompt run beside ours-ar (order alternating), so every row's
+    speedup compares runs made under the same machine load."""
+    by = {s.name: s for s in systems if s.status == "ok"}
+    spec, ar = by.get("ours-spec"), by.get("ours-ar")
+    if spec is None or ar is None:
+        log("sweep: skipped (ours-spec or ours-ar did not run)")
+        return None
+    rows = []
+    # the export's own default first (the tuned one after exporter.tune / exporter.optimize), then the
+    # hand-picked trees of growing size, all under the same protocol
+    default = manifest.tree.get("eagle") if manifest.drafter["kind"] == "eagle" else manifest.tree.get("medusa_paths")
+    for tree in ([default] if default else []) + _tree_sizes(manifest.drafter["kind"], manifest.drafter):
+        runs = {"spec": [], "ar": []}
+        for r in range(max(1, opts.repeats // 2)):
+            for i, p in enumerate(prompts):
+                pair = [("spec", spec, tree), ("ar", ar, None)]
+                for key, system, tr in pair if (r + i) % 2 == 0 else pair[::-1]:
+                    reply = S.run(system, _request(p.ids, opts, opts.max_new_tokens, opts.seed + i, tr))
+                    if reply is not None:
+                        runs[key].append(reply)
+        if not runs["spec"] or not runs["ar"]:
+            break
+        tps = {k: sum(len(x["tokens"]) - 1 for x in v) / max(sum(x["decode_s"] for x in v), 1e-9)
+               for k, v in runs.items()}
+        acc = [a for x in runs["spec"] for a in x["accepted"]]
+        row = {"tree": tree, "tree_size": _tree_size(tree), "decode_tokens_per_s": tps["spec"],
+               "autoregressive_tokens_per_s": tps["ar"], "speedup": tps["spec"] / max(tps["ar"], 1e-9),
+               "mean_accepted_length": sum(acc) / len(acc) if acc else 0.0}
+        if not rows and default:
+            row["default"] = True
+            row["tuned"] = "tuned" in manifest.tree
+        rows.append(row)
+        name = ("default" + (" (tuned)" if row.get("tuned") else "")) if row.get("default") else "tree"
+        log(f"  {name} size {row['tree_size']:3d}: {row['decode_tokens_per_s']:.1f} tok/s "
+            f"({row['speedup']:.2f}x ours-ar beside it), tau {row['mean_accepted_length']:.2f}")
+    hand = [r for r in rows if not r.get("default")]
+    if rows and rows[0].get("default") and hand:
+        best = max(hand, key=lambda r: r["speedup"])
+        rows[0]["vs_best_hand_picked"] = rows[0]["speedup"] / best["speedup"]
+        log(f"  default tree vs the best hand-picked one (size {best['tree_size']}): "
+            f"{rows[0]['vs_best_hand_picked']:.2f}x")
+    return rows

@@ -1,0 +1,410 @@
+"""The optimize stage: tree-safe fusions, float16 for GPUs, int4/int8 weight-only graphs.
+
+    specs, records = optimize_graphs(out_dir, tmp, manifest, options)   rewritten graphs into tmp
+    check_parity(out_dir, tmp, manifest, specs, options)                 raw vs rewritten, a gate
+
+Per traced graph (base, draft, and the one-call EAGLE tree graphs ``draft_tree.*``, whose unrolled
+drafter forwards get the draft graph's passes):
+
+    fuse       eager attention -> ONNX ``Attention`` (opset 23: any mask, grouped K/V; never
+               ``GroupQueryAttention``, which ignores tree masks), rotary -> ONNX ``RotaryEmbedding``,
+               RMSNorm -> SimplifiedLayerNorm, residual Add + RMSNorm -> SkipSimplifiedLayerNorm
+               (exporter.passes.*)
+    quantize   MatMul weights -> ``MatMulNBits`` (4 or 8 bits, block 32; ORT's quantizer)
+    float16    --target cuda: ORT's float16 converter, norms and softmax kept float32
+
+then every rewritten graph is checked against the raw one on random non-causal tree masks, batch 2
+with holes in the past, a decode with a past and a prefill (exporter.passes.parity), within
+compare's tolerance for its dtype (:data:`exporter.compare_report.TOLERANCES`). The pipeline
+(:func:`exporter.pipeline.optimize_export`) runs these through the writer (:mod:`exporter.outdir`),
+so a failure leaves the export as it was. A quantized base is a new base: speculative decoding stays
+lossless relative to it, and its distance from the float model is what ``python -m exporter.compare``
+reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from exporter.compare_report import TOLERANCES
+from exporter.errors import UserError
+from exporter.plan import is_traced, is_tree_role
+from graphs import contract as C
+from graphs.manifest import Manifest
+
+TARGETS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+QUANTIZE = {"none": 0, "int8": 8, "int4": 4}
+TUNE_BUDGET_S = 60.0  # the re-tuning after optimize: its EAGLE sweep's time (Medusa needs less)
+
+
+@dataclass(frozen=True)
+class OptimizeOptions:
+    """What to do to each traced graph. Defaults: measured on a 2-core x86 CPU (README, "Optimize")."""
+
+    target: str = "cpu"  # the provider the graphs are tuned for: "cpu" | "cuda"
+    quantize: str = "none"  # weight-only: "none" | "int8" | "int4" (MatMulNBits)
+    # the drafter's graphs (draft, draft_tree.*) on their own; None: as ``quantize``. A quantized drafter
+    # beside a float base keeps the output exactly the float model's (drafts are only proposals) and
+    # makes drafting cheaper: what EAGLE, whose drafter is a decoder layer and an lm_head, needs most.
+    quantize_draft: str | None = None
+    fuse: bool = True  # attention + norms; exact under tree masks, 1.1-1.5x per step on CPU
+    float16: bool | None = None  # None: float16 for cuda, float32 for cpu
+    block_size: int = 32  # quantization block along K: 32 keeps int4 error small
+    # MatMulNBits compute type. 0 (float32 compute) by default: level 4 (int8 activations) is faster on
+    # CPUs but its one-row and many-row kernels round differently on ORT 1.32 (up to 1.2e-2 in logits,
+    # measured), so greedy speculative output may then differ from one-token greedy output.
+    accuracy_level: int = 0
+    # The drafter's graphs (draft, draft_tree.*) at level 4 by default: drafts are deterministic
+    # tokens that the base verifies (graphs.sampling), so the drafter's rounding can change which
+    # tokens are proposed, never what is emitted; measured on the 19M EAGLE drafter, level 0 made the
+    # one-call draft 1.0x float32 (int4) and 7x slower (int8), level 4 1.8x faster.
+    draft_accuracy_level: int = 4
+    validate: bool = True  # raw-vs-optimized parity on tree/batch/past cases before the swap
+    time_gain: bool = True  # time raw vs optimized base at 1 and 8 tokens for the summary
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise UserError(f"unknown --target {self.target!r}; accepted: {', '.join(TARGETS)}")
+        for flag, q in (("--quantize", self.quantize), ("--quantize-draft", self.quantize_draft)):
+            if q is not None and q not in QUANTIZE:
+                raise UserError(f"unknown {flag} {q!r}; accepted: {', '.join(QUANTIZE)}")
+        for flag, level in (("--accuracy-level", self.accuracy_level),
+                            ("--draft-accuracy-level", self.draft_accuracy_level)):
+            if level not in (0, 1, 2, 3, 4):
+                raise UserError(f"{flag} {level} must be 0-4 (0: float32 compute, 4: int8)")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise UserError(f"--block-size {self.block_size} must be a power of two >= 16 (32 advised)")
+        if not (self.fuse or self.quantize != "none" or self.quant_for("draft") != "none" or self.use_float16):
+            raise UserError("nothing to do: --no-fuse without --quantize or float16; drop --no-fuse")
+
+    @property
+    def use_float16(self) -> bool:
+        return self.target == "cuda" if self.float16 is None else bool(self.float16)
+
+    def quant_for(self, role: str) -> str:
+        """The weight quantization of ``role``'s graph: the base's is ``quantize``, the drafter's
+        ``quantize_draft`` when given."""
+        return self.quantize if role == "base" or self.quantize_draft is None else self.quantize_draft
+
+    def level(self, role: str) -> int:
+        """MatMulNBits accuracy level of ``role``'s graph: the base's decides what is emitted."""
+        return self.accuracy_level if role == "base" else self.draft_accuracy_level
+
+
+# ----------------------------------------------------------------------------- one graph
+
+
+def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=print) -> dict:
+    """Run the passes on the graph file ``src``; write ``dst`` (+ ``dst.data``). Returns its record."""
+    import logging
+
+    from exporter.passes import graphio
+
+    for name in ("onnxscript", "onnx_ir"):  # their INFO lines drown the per-pass summary
+        logging.getLogger(name).setLevel(logging.WARNING)
+    proto = graphio.load_graph(src)
+    external = graphio.has_external_data(proto)
+    before = graphio.count_ops(proto)
+    passes, fused = [], {}
+
+    def step(name: str, detail: str, t0: float, ops_before: dict):
+        ops = graphio.count_ops(proto)
+        n0, n1 = sum(ops_before.values()), sum(ops.values())
+        log(f"  [{role}] {name:10} {detail:52} nodes {n0:5d} -> {n1:5d}  ({time.perf_counter() - t0:.1f} s)",
+            flush=True)
+        passes.append(name)
+        return ops
+
+    ops = before
+    candidates = _attention_candidates(proto) if opts.fuse else 0
+    if candidates:
+        t0 = time.perf_counter()
+        proto, n_attn, n_rot = _rewire(proto, src.parent, attention=True)
+        if n_attn != candidates:
+            raise UserError(f"{role} graph {src.name}: {candidates - n_attn} of {candidates} attentions do not "
+                            f"match the traced eager pattern (a graph from another exporter?); the export is "
+                            f"untouched: optimize without fusion (--no-fuse)")
+        fused["Attention"] = n_attn
+        fused["RotaryEmbedding"] = n_rot
+        ops = step("attention", f"{n_attn} eager attentions -> Attention, {n_rot} rotary -> RotaryEmbedding",
+                   t0, ops)
+        if n_rot:
+            passes.append("rotary")
+    else:  # constant folding and Identity removal only (the quantizer skips weights behind an Identity)
+        proto, _, _ = _rewire(proto, src.parent, attention=False)
+        ops = graphio.count_ops(proto)
+    if opts.fuse:
+        from exporter.passes.norms import fuse_norms
+
+        t0 = time.perf_counter()
+        norms = fuse_norms(proto)
+        fused.update(norms)
+        if norms:
+            ops = step("norms", ", ".join(f"{v} {k}" for k, v in norms.items()), t0, ops)
+    quantize = opts.quant_for(role)
+    if quantize != "none" or opts.use_float16:
+        graphio.load_weights(proto, src.parent)
+    quant = None
+    if quantize != "none":
+        from exporter.passes.quantize import quantize_weights
+
+        t0 = time.perf_counter()
+        bits = QUANTIZE[quantize]
+        proto, n_q = quantize_weights(proto, bits, opts.block_size, opts.level(role))
+        if n_q == 0:
+            raise UserError(f"{role} graph {src.name}: no MatMul with a constant weight to quantize")
+        quant = {"method": "MatMulNBits", "bits": bits, "block_size": opts.block_size, "symmetric": True,
+                 "accuracy_level": opts.level(role), "matmuls": n_q}
+        ops = step(quantize, f"{n_q} MatMul -> MatMulNBits (bits={bits}, block={opts.block_size})", t0, ops)
+    if opts.use_float16:
+        from exporter.passes.fp16 import to_float16
+
+        t0 = time.perf_counter()
+        proto = to_float16(proto)
+        ops = step("float16", "float16 weights/activations; norms, softmax float32", t0, ops)
+    graphio.load_weights(proto, src.parent)  # weights left on disk by the rewiring passes
+    written = graphio.save_graph(proto, dst, external=external)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    return {
+        "passes": passes,
+        "target": opts.target,
+        "provider": TARGETS[opts.target],
+        "dtype": "float16" if opts.use_float16 else "float32",
+        "quantization": quant,
+        "fused": fused,
+        "nodes_before": sum(before.values()),
+        "nodes_after": sum(ops.values()),
+        "opset": opset,
+        "files": [p.name for p in written],
+    }
+
+
+def _attention_candidates(proto) -> int:
+    """Softmax nodes whose output feeds a MatMul: the eager attentions a graph should have fused."""
+    consumers: dict[str, list[str]] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node.op_type)
+    return sum(1 for n in proto.graph.node if n.op_type == "Softmax"
+               and any(c in ("MatMul", "Cast") for c in consumers.get(n.output[0], [])))
+
+
+def _rewire(proto, base_dir: Path, attention: bool):
+    """onnxscript's optimizer (constant folding, no-op Cast/Identity removal); with ``attention``,
+    first opset 17 -> 23 (onnx's version converter), then eager attention -> ``Attention`` and
+    rotary -> ``RotaryEmbedding``. Weights stay on disk. Returns (model, attentions, rotaries)."""
+    import onnx_ir as ir
+    from onnx import version_converter
+    from onnxscript.optimizer import optimize
+
+    from exporter.passes.attention import ATTENTION_OPSET, fuse_attention
+
+    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    if attention and opset < ATTENTION_OPSET:
+        proto = version_converter.convert_version(proto, ATTENTION_OPSET)
+    model = ir.from_proto(proto)
+    ir.external_data.set_base_dir(model.graph, base_dir)
+    optimize(model)  # the pattern is matched on a clean graph
+    n = rotary = 0
+    if attention:
+        from exporter.passes.rotary import fuse_rotary
+
+        n = fuse_attention(model)
+        rotary = fuse_rotary(model)
+        optimize(model)
+    return ir.to_proto(model), n, rotary
+
+
+# ----------------------------------------------------------------------------- the export
+
+
+FLOAT32_OUTPUTS = (C.TOPK_LOGPROBS, C.TREE_SCORES)  # float32 in every export (graphs.contract)
+
+
+def optimized_spec(spec: C.GraphSpec, float16: bool) -> C.GraphSpec:
+    """The contract of the rewritten graph: float tensors become float16, except the draft scores
+    (topk_logprobs, tree_scores), which the contract keeps float32 whatever the cache dtype."""
+    if not float16:
+        return spec
+
+    def conv(t: C.TensorSpec) -> C.TensorSpec:
+        if t.dtype == "float32" and t.name not in FLOAT32_OUTPUTS:
+            return dataclasses.replace(t, dtype="float16")
+        return t
+
+    return C.GraphSpec(file=spec.file, inputs=tuple(map(conv, spec.inputs)), outputs=tuple(map(conv, spec.outputs)))
+
+
+def graph_files(out_dir: Path, spec: C.GraphSpec) -> list[Path]:
+    p = out_dir / spec.file
+    return [p] + ([p.with_name(p.name + ".data")] if p.with_name(p.name + ".data").exists() else [])
+
+
+def check_space(out_dir: Path, manifest: Manifest) -> None:
+    need = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
+    free = shutil.disk_usage(out_dir.parent).free
+    if free < need * 1.2:
+        raise UserError(f"not enough disk space beside {out_dir}: optimizing needs about {need * 1.2 / 1e9:.2f} GB "
+                        f"free for the rewritten copy, {free / 1e9:.2f} GB are; free some space and retry")
+
+
+def parity_tolerance(opts: OptimizeOptions) -> tuple[float, float]:
+    """(atol, rtol) of raw vs rewritten graphs: compare's CPU tolerance for the rewritten dtype."""
+    tol = TOLERANCES[("float16" if opts.use_float16 else "float32", "cpu")]
+    return tol.atol, tol.rtol
+
+
+def check_parity(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts: OptimizeOptions, log) -> dict:
+    """Raw vs rewritten graphs (CPU EP) on the parity cases; raises UserError on a mismatch."""
+    from exporter.passes.parity import graph_parity
+
+    atol, rtol = parity_tolerance(opts)
+    report = {"strict": opts.quantize == "none" and opts.quant_for("draft") == "none", "atol": atol, "rtol": rtol,
+              "graphs": {}}
+    for role in [r for r in specs if is_traced(r)]:
+        strict = opts.quant_for(role) == "none"
+        if is_tree_role(role):
+            report["graphs"][role] = _validate_tree(out_dir, tmp, manifest, specs, role, opts, log)
+            continue
+        try:
+            rows = graph_parity(out_dir / manifest.graphs[role].file, tmp / specs[role].file, manifest.graphs[role],
+                                specs[role], atol, rtol, vocab=manifest.source["vocab_size"], strict=strict)
+        except Exception as e:
+            report["graphs"][role] = _not_on_cpu(e, role, opts, log)
+            continue
+        bad = [r for r in rows if not r.ok]
+        if role == "base":  # one row alone vs in a tree: what greedy speculative == autoregressive needs
+            from exporter.passes.parity import incremental_consistency
+
+            inc = max(incremental_consistency(tmp / specs[role].file, specs[role], manifest.source["vocab_size"],
+                                              seed=seed) for seed in range(8))
+            report["incremental_max_abs"] = inc
+            limit = atol
+            log(f"  [{role}] rows      one token alone vs the same token in a 4-token call: max |logits diff| "
+                f"{inc:.1e} ({'ok' if inc <= limit else 'NOT consistent'})")
+            if inc > limit:
+                if opts.quantize == "none" or opts.level("base") != 4:
+                    raise UserError(f"optimized base graph gives a token different logits alone and in a tree "
+                                    f"({inc:.3g} > {limit:g}); the export is untouched")
+                log("  warning: accuracy level 4: greedy speculative output may differ from one-token greedy "
+                    "output of these graphs; use the default --accuracy-level 0 for lossless decoding")
+        worst = max((r for r in rows if r.output in (C.LOGITS,)), key=lambda r: r.max_abs)
+        top1 = min((r.top1 for r in rows if r.top1 is not None), default=None)
+        report["graphs"][role] = {"max_abs_logits": worst.max_abs, "min_top1": top1, "ok": not bad,
+                                  "rows": [dataclasses.asdict(r) for r in rows]}
+        what = "vs raw" if strict else "vs raw float32 (quantized: reported, not gated)"
+        log(f"  [{role}] parity    {what}: max |logits diff| {worst.max_abs:.2e}, top-1 agreement "
+            f"{top1 if top1 is None else f'{top1:.3f}'}, {len(rows)} outputs x cases: {'ok' if not bad else 'FAIL'}")
+        if bad:
+            r = bad[0]
+            raise UserError(f"optimized {role} graph disagrees with the raw one: {r.output} in case {r.case} max abs "
+                            f"error {r.max_abs:.3g} > {r.limit:.3g}; the export is untouched")
+    return report
+
+
+def _not_on_cpu(e: Exception, role: str, opts: OptimizeOptions, log) -> dict:
+    """A parity run that raised: a float16 graph the CPU EP has no kernels for is left to the GPU check
+    (the returned record says so); anything else is an error and the export stays untouched."""
+    if not opts.use_float16 or "NOT_IMPLEMENTED" not in str(e):
+        raise UserError(f"optimized {role} graph does not run on ONNX Runtime's CPU EP "
+                        f"({str(e).splitlines()[0][:200]}); the export is untouched") from None
+    log(f"  [{role}] parity    skipped: the CPU EP has no float16 kernels for it (check on the GPU)")
+    return {"skipped": "no float16 CPU kernels; check on the GPU with python -m exporter.compare --provider cuda"}
+
+
+def _validate_tree(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, role: str, opts: OptimizeOptions,
+                   log) -> dict:
+    """Raw vs rewritten one-call tree graph. float32: the same tree (tokens, parents, depths, mask
+    identical), scores and drafter K/V within 1e-4. float16: the context rows' drafter K/V within
+    2e-2, the tree reported (float16 log-probs may order near-ties otherwise). Quantized: reported,
+    not gated (another drafter). Drafts never change greedy output: the base verifies them."""
+    from exporter.passes.parity import tree_parity
+
+    quantized = opts.quant_for(role) != "none"
+    strict = not quantized and not opts.use_float16
+    atol, rtol = parity_tolerance(opts)
+    try:
+        rows = tree_parity(out_dir / manifest.graphs[role].file, tmp / specs[role].file, manifest.graphs[role],
+                           specs[role], atol, rtol, vocab=manifest.source["vocab_size"], strict=strict,
+                           strict_kv=not quantized)
+    except Exception as e:
+        return _not_on_cpu(e, role, opts, log)
+    bad = [r for r in rows if not r.ok]
+    tokens = min(r.top1 for r in rows if r.output == C.TREE_TOKENS)
+    scores = max(r.max_abs for r in rows if r.output == C.TREE_SCORES)
+    what = ("vs raw" if strict else "vs raw float32 (K/V gated, tree reported)" if not quantized
+            else "vs raw float32 (quantized: reported, not gated)")
+    log(f"  [{role}] parity    {what}: tree tokens equal {tokens:.3f}, max |scores diff| {scores:.2e}, "
+        f"{len(rows)} outputs x cases: {'ok' if not bad else 'FAIL'}")
+    if bad:
+        r = bad[0]
+        raise UserError(f"optimized {role} graph drafts another tree than the raw one: {r.output} in case {r.case} "
+                        f"(max abs error {r.max_abs:.3g} > {r.limit:.3g}); the export is untouched")
+    return {"tree_tokens_equal": tokens, "max_abs_scores": scores, "ok": not bad,
+            "rows": [dataclasses.asdict(r) for r in rows]}
+
+
+def time_gain(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, log) -> dict:
+    """Median latency of the raw and the rewritten base graph at 1 and 8 tokens over a 64-token past."""
+    from exporter.passes.parity import Case, random_feed
+    from graphs.sessions import make_session
+
+    gains = {}
+    try:
+        raw, new = (make_session(out_dir / manifest.graphs["base"].file, "cpu"),
+                    make_session(tmp / specs["base"].file, "cpu"))
+    except Exception:
+        return {"skipped": "the rewritten base does not run on the CPU EP"}
+    for t in (1, 8):
+        feed = random_feed(manifest.graphs["base"], Case("t", 1, t, 64), vocab=manifest.source["vocab_size"])
+        new_feed = {s.name: feed[s.name].astype(s.dtype) if s.dtype.startswith("float") else feed[s.name]
+                    for s in specs["base"].inputs}
+        ms = []
+        for s, f in ((raw, feed), (new, new_feed)):
+            s.run(None, f)
+            ts = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                s.run(None, f)
+                ts.append(time.perf_counter() - t0)
+            ms.append(float(np.median(ts)) * 1e3)
+        gains[f"{t}_tokens"] = {"raw_ms": ms[0], "optimized_ms": ms[1], "speedup": ms[0] / ms[1]}
+    log("  [base] gain      " + ", ".join(f"{k.replace('_', ' ')}: {v['raw_ms']:.2f} -> {v['optimized_ms']:.2f} ms "
+                                           f"({v['speedup']:.2f}x)" for k, v in gains.items())
+        + " (CPU EP, one rough timing)")
+    return gains
+
+
+def optimize_graphs(out_dir: Path, tmp: Path, manifest: Manifest, options: OptimizeOptions,
+                    log=print) -> tuple[dict[str, C.GraphSpec], dict[str, dict]]:
+    """Rewrite every graph of the export in ``out_dir`` that ``options`` changes into ``tmp``.
+
+    Returns (the new specs of every role, the ``optimization`` record of each rewritten role). The
+    one-call EAGLE tree graphs (draft_tree.*) get the draft graph's passes: their drafter forwards
+    are the draft graph's, unrolled (fused, quantized, float16 with the drafter K/V in the cache dtype).
+    """
+    specs = {role: optimized_spec(spec, options.use_float16) for role, spec in manifest.graphs.items()}
+    records = {}
+    for role in manifest.graphs:
+        if is_traced(role):
+            records[role] = optimize_graph(out_dir / manifest.graphs[role].file, tmp / specs[role].file, role,
+                                           options, log)
+        elif options.use_float16:  # K/V updates: the cache dtype
+            from exporter.kvgraph import build_kv_update
+
+            build_kv_update(specs[role], tmp / specs[role].file, opset=manifest.opset)
+            records[role] = {"passes": ["float16"], "target": options.target,
+                             "provider": TARGETS[options.target], "dtype": "float16", "quantization": None}
+    return specs, records
+
+
+def rewritten_files(out_dir: Path, manifest: Manifest, options: OptimizeOptions) -> set[str]:
+    """The export's files (relative paths) that :func:`optimize_graphs` writes anew."""
+    return {p.relative_to(out_dir).as_posix() for role in manifest.graphs
+            for p in graph_files(out_dir, manifest.graphs[role]) if is_traced(role) or options.use_float16}

@@ -1,0 +1,447 @@
+"""The validate stage: PyTorch vs ONNX Runtime, where the exported graphs differ and by how much.
+
+    validate_export(model, tmp, manifest, plan)   export's gate: raises UserError when a graph disagrees
+    compare_model(model, out_dir)                 the report (``python -m exporter.compare``)
+
+Runs the float32 PyTorch model and the exported graphs on the same inputs and reports, per graph,
+case and output: max absolute error, max relative error, the index where the largest error
+occurs (with both values there) and top-1 agreement of logits. Two references:
+
+- the traced wrappers (:mod:`exporter.trace`), for what only they can run: prefill, a one-token
+  decode, tree verification with a non-causal tree mask at batch 2 with a past, a batch with holes
+  in the past, and the draft graph's steps;
+- Hugging Face's own forward with its own cache (:mod:`exporter.hf_reference`, none of the
+  exporter's modelling code), for the causal cases ``hf_*``: prefill, one-token steps and a chunk
+  over a past, EAGLE-3 auxiliary states against ``output_hidden_states`` at the configured layers.
+  A bug in the traced code is in the graph *and* the first reference; it cannot hide from this one.
+
+A case that raises (in ONNX Runtime or in a reference) is a failed row, never a skipped one. The
+tolerances are one table by dtype and device (:data:`exporter.compare_report.TOLERANCES`).
+
+A quantized graph (the manifest's ``optimization`` entry, or quantized operators found in it) is a
+different model: its logits are judged by top-1 agreement and mean KL against quality thresholds
+(:data:`exporter.distance.QUALITY`), held-out text is scored by both models (top-1, KL,
+perplexity), and the report says it is a distance, not bit-parity (``distance=True`` adds the
+held-out rows for float graphs too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from exporter.compare_report import (
+    LOGITS_OUTPUTS,
+    TOLERANCES,
+    CompareReport,
+    Row,
+    Tolerance,
+    compare_arrays,
+    error_row,
+)
+from exporter.distance import (
+    DistanceRow,
+    distance_row,
+    graph_quantization,
+    held_out_ids,
+    logits_distance,
+    optimization_entry,
+    quality_for,
+)
+from exporter.errors import UserError
+from exporter.hf_reference import causal_bool_mask, hf_base_cases
+from exporter.plan import build_plan, is_traced, is_tree_role, parse_tree_role
+from exporter.trace import flatten_kv, graph_module
+from graphs import contract as C
+from graphs.manifest import Manifest
+from graphs.trees import Tree
+
+
+class UnsupportedProviderError(UserError):
+    """ONNX Runtime has no kernel for this graph on this provider (e.g. bfloat16 ops on the CPU EP)."""
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """(T, T) bool ancestor-or-self mask of a tree given by parent indices (-1 = root)."""
+    return torch.from_numpy(Tree.from_parents(np.array(parents)).mask)
+
+
+def _depths(parents: list[int]) -> torch.Tensor:
+    return torch.from_numpy(Tree.from_parents(np.array(parents)).depth)
+
+
+def _empty_past(n_layers, b, kv, hd):
+    return [(torch.zeros(b, kv, 0, hd), torch.zeros(b, kv, 0, hd)) for _ in range(n_layers)]
+
+
+def base_cases(model, spec: C.GraphSpec, seed: int = 0) -> list[tuple[str, list[torch.Tensor]]]:
+    """(name, inputs in spec order) for the base graph; pasts are real K/V from a prefix run."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = spec.output(C.LOGITS).dims[-1]
+    k0 = spec.input(C.past_key(0))
+    kv, hd = k0.dims[1], k0.dims[3]
+    n_layers = sum(1 for t in spec.inputs if t.name.endswith(".key"))
+    base = graph_module(model, "base")
+
+    def ids(b, s):
+        return torch.randint(0, vocab, (b, s), generator=g)
+
+    p = 6
+    prefix = ids(2, p)
+    causal = tree_mask(list(range(-1, p - 1)))
+    with torch.no_grad():
+        empty = flatten_kv(_empty_past(n_layers, 2, kv, hd))
+        out = base(prefix, torch.arange(p).expand(2, p), causal.expand(2, 1, p, p), *empty)
+    new = out[-2 * n_layers :]
+    past = [(new[2 * i], new[2 * i + 1]) for i in range(n_layers)]
+
+    cases = []
+    s = 7
+    cases.append(("prefill", [ids(1, s), torch.arange(s)[None], tree_mask(list(range(-1, s - 1)))[None, None],
+                              *flatten_kv(_empty_past(n_layers, 1, kv, hd))]))
+    cases.append(("decode", [ids(1, 1), torch.tensor([[p]]), torch.ones(1, 1, 1, p + 1, dtype=torch.bool),
+                             *flatten_kv([(k[:1], v[:1]) for k, v in past])]))
+    parents = [-1, 0, 0, 1, 1, 2]  # a non-causal tree: siblings never see each other
+    tm = tree_mask(parents)
+    t = len(parents)
+    mask = torch.cat([torch.ones(t, p, dtype=torch.bool), tm], dim=1).expand(2, 1, t, p + t)
+    cases.append(("tree_b2_past6", [ids(2, t), (p + _depths(parents)).expand(2, t), mask.contiguous(),
+                                    *flatten_kv(past)]))
+    # sequence 1 is 2 tokens shorter: its last two past columns are holes it must not see
+    s = 3
+    m = torch.cat([torch.ones(2, s, p, dtype=torch.bool), tree_mask([-1, 0, 1]).expand(2, s, s)], dim=2)
+    m[1, :, p - 2 : p] = False
+    pos = torch.stack([torch.arange(p, p + s), torch.arange(p - 2, p - 2 + s)])
+    cases.append(("batch2_holes", [ids(2, s), pos, m[:, None].contiguous(), *flatten_kv(past)]))
+    return cases
+
+
+def draft_cases(model, specs, seed: int = 0) -> list[tuple[str, list[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed + 1)
+    base_spec = specs["base"]
+    topk = torch.tensor([4])
+    _, base_inputs = base_cases(model, base_spec, seed)[2]  # the tree case
+    with torch.no_grad():
+        base_out = graph_module(model, "base")(*base_inputs)
+    hidden = base_out[1]
+    if model.spec_mode == "medusa":
+        return [("heads_b2_tree", [hidden, topk])]
+
+    mod = model.eagle_module
+    n_layers = len(mod.layers)
+    kv, hd = mod.num_kv_heads, mod.head_dim
+    draft = graph_module(model, "draft")
+    vocab = base_spec.output(C.LOGITS).dims[-1]
+    eagle3 = mod.eagle3
+    aux = base_out[2] if eagle3 else None
+    p = 5
+
+    def run(hid, aux_h, ids, pos, mask, past):
+        args = [hid] + ([aux_h] if eagle3 else []) + [ids, pos, mask, *flatten_kv(past), topk]
+        return args, draft(*args)
+
+    h = hidden.shape[-1]
+    empty_h = hidden[:, :0]
+    # context: the first p positions with base features and the next tokens
+    ids_ctx = torch.randint(0, vocab, (2, p), generator=g)
+    causal = tree_mask(list(range(-1, p - 1))).expand(2, 1, p, p)
+    pos = torch.arange(p).expand(2, p)
+    if eagle3:
+        args_ctx, out = run(empty_h, aux[:, :p], ids_ctx, pos, causal, _empty_past(n_layers, 2, kv, hd))
+    else:
+        args_ctx, out = run(hidden[:, :p], None, ids_ctx, pos, causal, _empty_past(n_layers, 2, kv, hd))
+    cases = [("context_b2", args_ctx)]
+    new = out[4:]
+    past = [(new[2 * i], new[2 * i + 1]) for i in range(n_layers)]
+    # a drafted tree level: the drafter's own hidden states, non-causal tree mask over its past
+    parents = [-1, 0, 0, 1]
+    t = len(parents)
+    mask = torch.cat([torch.ones(t, p, dtype=torch.bool), tree_mask(parents)], dim=1).expand(2, 1, t, p + t)
+    own = torch.randn(2, t, h, generator=g) * float(out[0].detach().std())
+    ids_tree = torch.randint(0, vocab, (2, t), generator=g)
+    args_tree, _ = run(own, aux[:, :0] if eagle3 else None, ids_tree, (p + _depths(parents)).expand(2, t),
+                       mask.contiguous(), past)
+    cases.append(("tree_b2_past5", args_tree))
+    return cases
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def run_case(session, spec: C.GraphSpec, inputs: list[torch.Tensor]) -> list[np.ndarray]:
+    feed = {}
+    for t, x in zip(spec.inputs, inputs):
+        arr = x.detach().cpu().numpy()
+        feed[t.name] = arr.astype(_np_dtype(t.dtype)) if arr.dtype.kind == "f" else arr
+    return session.run(spec.output_names, feed)
+
+
+def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | None = None, *,
+                  text: str | None = None, distance: bool = False, text_tokens: int = 128,
+                  plan=None) -> CompareReport:
+    """Compare every exported graph in ``out_dir`` with ``model`` (float32 PyTorch).
+
+    ``text``: held-out text for the distance rows (default: a built-in paragraph); they are computed
+    for quantized base graphs, and for float ones too when ``distance`` is set. ``plan``: the
+    :class:`~exporter.plan.ExportPlan` the graphs were traced from (export's own check); without it
+    the model's plan is built here and must match the manifest's graphs.
+    """
+    from graphs.sessions import make_session
+
+    out_dir = Path(out_dir)
+    manifest = manifest or Manifest.read(out_dir)
+    specs = manifest.graphs
+    dtype = specs["base"].output(C.LOGITS).dtype
+    if plan is None:
+        check_same_model(model, specs, dtype, out_dir)
+    device = "cuda" if provider == "cuda" else "cpu"
+    opt = optimization_entry(out_dir, manifest)
+    tols = {role: TOLERANCES[(_role_dtype(opt.get(role), spec), device)] for role, spec in specs.items()}
+    quant = graph_quantization(out_dir, manifest)
+    report = CompareReport(dtype=dtype, device=device, tolerance=asdict(tols["base"]),
+                           tolerances={role: asdict(t) for role, t in tols.items()}, quantization=quant)
+    for role in specs:
+        spec, tol = specs[role], tols[role]
+        session = _session(make_session, out_dir / spec.file, provider, dtype)
+        if not is_traced(role):  # K/V update: vs numpy
+            report.rows += kv_update_rows(role, session, spec, tol)
+            del session
+            continue
+        try:
+            if is_tree_role(role):  # the one-call EAGLE tree (exporter.eagle_tree)
+                from exporter.eagle_tree import tree_cases
+
+                cases = tree_cases(model, spec)
+            else:
+                cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
+        except Exception as e:  # the reference itself failed: a failure, never a skip
+            report.rows.append(error_row(role, "traced_reference", e))
+            cases = []
+        module = graph_module(model, role)
+        for case, inputs in cases:
+            try:
+                with torch.no_grad():
+                    ref = [t.numpy() for t in module(*inputs)]
+                got = run_case(session, spec, inputs)
+            except Exception as e:
+                report.rows.append(error_row(role, case, e))
+                continue
+            ref_d, got_d = dict(zip(spec.output_names, ref)), dict(zip(spec.output_names, got))
+            rows = output_rows(role, case, spec, ref_d, got_d, tol, quant[role])
+            if is_tree_role(role) and _role_dtype(opt.get(role), spec) != "float32":
+                rows = _tree_agreement_only(rows, ref_d, got_d)
+            report.rows += rows
+        if role == "base":
+            report.rows += hf_rows(model, session, spec, tol, quant[role])
+            if distance or quant[role] != "none":
+                try:
+                    report.distance.append(held_out_row(model, session, spec, out_dir, manifest, quant[role],
+                                                        text, text_tokens))
+                except Exception as e:
+                    report.rows.append(error_row(role, "held_out_text", e))
+        del session  # one graph's weights in memory at a time
+    return report
+
+
+_TREE_CHOICES = {C.TREE_TOKENS, C.TREE_PARENTS, C.TREE_DEPTH, C.TREE_MASK, C.TREE_SCORES}
+
+
+def _tree_agreement_only(rows: list, ref: dict, got: dict) -> list:
+    """A reduced-precision tree graph (a float16 drafter) may resolve near-tied log-probs otherwise than
+    float32 PyTorch and draft another tree: its choices are reported (``top1``: the fraction of equal
+    entries), failing only when non-finite or misshapen; the drafter K/V of the context rows, which
+    no choice affects, stay gated. Drafts never change greedy output: the base verifies them."""
+    for r in rows:
+        if r.output in _TREE_CHOICES and r.check == "parity" and r.max_abs != float("inf"):
+            a, b = ref[r.output], got[r.output]
+            r.top1 = float((a == b).mean()) if r.output != C.TREE_SCORES else None
+            r.check = "info"
+            r.ok = not np.isnan(b.astype(np.float64)).any()
+    return rows
+
+
+def _role_dtype(entry, spec: C.GraphSpec) -> str:
+    """The precision a graph computes in: the optimize stage's record (float16 inside float32 I/O is
+    possible), else the dtype of its first floating-point output."""
+    declared = entry.get("dtype") if isinstance(entry, dict) else None
+    if declared in {d for d, _ in TOLERANCES}:
+        return declared
+    # the first floating-point input (K/V or hidden states): some outputs stay float32 (tree scores)
+    return next((t.dtype for t in (*spec.inputs, *spec.outputs) if t.dtype.startswith(("float", "bfloat"))),
+                "float32")
+
+
+def output_rows(role: str, case: str, spec: C.GraphSpec, ref: dict[str, np.ndarray], got: dict[str, np.ndarray],
+                tol: Tolerance, quantization: str = "none") -> list[Row]:
+    """Rows for the outputs named in ``ref`` (in contract order): parity, or distance if quantized."""
+    rows = []
+    for name in [n for n in spec.output_names if n in ref]:
+        if name not in got:
+            rows.append(error_row(role, case, KeyError(f"the graph has no output {name}")))
+            continue
+        r, o = ref[name], got[name]
+        fields = compare_arrays(r, o, tol, name)
+        if quantization != "none" and fields["max_abs"] != float("inf"):
+            finite = bool(np.isfinite(o.astype(np.float64)).all())
+            if name in LOGITS_OUTPUTS:
+                q = quality_for(quantization)
+                d = logits_distance(r, o, q.margin)
+                fields.update(top1=d.top1, limit=q.kl, ok=finite and d.ok(q), check="distance", kl=d.kl,
+                              top1_decided=d.top1_decided)
+            else:
+                fields.update(ok=finite, check="info")
+        rows.append(Row(graph=role, case=case, output=name, shape=list(o.shape), **fields))
+    return rows
+
+
+def hf_rows(model, session, spec: C.GraphSpec, tol: Tolerance, quantization: str = "none") -> list[Row]:
+    """The base graph against HF's own forward and cache (exporter.hf_reference): causal cases."""
+    try:
+        cases = hf_base_cases(model, spec)
+    except Exception as e:
+        return [error_row("base", "hf_reference", e)]
+    rows = []
+    for c in cases:
+        try:
+            got = dict(zip(spec.output_names, run_case(session, spec, c.inputs)))
+        except Exception as e:
+            rows.append(error_row("base", c.name, e))
+            continue
+        rows += output_rows("base", c.name, spec, c.ref, got, tol, quantization)
+    return rows
+
+
+def held_out_row(model, session, spec: C.GraphSpec, out_dir: Path, manifest: Manifest, quantization: str,
+                 text: str | None, max_tokens: int) -> DistanceRow:
+    """Held-out text teacher-forced through HF's own forward and the base graph (one prefill each)."""
+    vocab = spec.output(C.LOGITS).dims[-1]
+    ids, what = held_out_ids(out_dir, manifest, text, max_tokens, vocab)
+    ids_t = torch.from_numpy(ids)[None]  # (1, S)
+    s = ids_t.shape[1]
+    with torch.no_grad():
+        ref = model(ids_t).logits[0].float().numpy()  # (S, V)
+    k0 = spec.input(C.past_key(0))
+    n_layers = sum(1 for t in spec.inputs if t.name.endswith(".key"))
+    empty = [torch.zeros(1, k0.dims[1], 0, k0.dims[3]) for _ in range(2 * n_layers)]
+    got = run_case(session, spec, [ids_t, torch.arange(s)[None], causal_bool_mask(1, s, 0), *empty])[0][0]
+    return distance_row("base", quantization, what, ids, ref, got.astype(np.float32))
+
+
+def kv_update_rows(role: str, session, spec: C.GraphSpec, tol: Tolerance) -> list[Row]:
+    """Run the K/V update graph on random buffers (batch 2, holes) against the numpy reference."""
+    rng = np.random.default_rng(0)
+    n = sum(1 for t in spec.inputs if t.name.startswith("cache."))
+    kv, hd = spec.inputs[0].dims[1], spec.inputs[0].dims[3]
+    dt = _np_dtype(spec.inputs[0].dtype)
+    caches = [rng.standard_normal((2, kv, 12, hd)).astype(dt) for _ in range(n)]
+    new = [rng.standard_normal((2, kv, 5, hd)).astype(dt) for _ in range(n)]
+    idx, start = np.array([[0, 3, 4], [2, 0, 0]]), 6
+    feed = {C.cache_in(j): caches[j] for j in range(n)} | {C.cache_new(j): new[j] for j in range(n)}
+    got = session.run(spec.output_names, feed | {C.ACCEPT_INDEX: idx, C.WRITE_START: np.array([start])})
+    rows = []
+    for j in range(n):
+        want = caches[j].copy()
+        want[:, :, start : start + 3] = np.take_along_axis(new[j], idx[:, None, :, None], axis=2)
+        rows.append(Row(graph=role, case="write_b2_holes", output=spec.output_names[j], shape=list(got[j].shape),
+                        **compare_arrays(want.astype(np.float32), got[j].astype(np.float32), tol, "")))
+    return rows
+
+
+def check_same_model(model, specs: dict[str, C.GraphSpec], dtype: str, out_dir: Path) -> None:
+    """The graphs in ``out_dir`` must have the contract this model's plan exports to (same sizes, same drafter)."""
+    baked = [r for r in specs if is_tree_role(r)]  # one-call EAGLE trees, as exported
+    eagle = getattr(model, "spec_mode", None) == "eagle"
+    want = build_plan(model, dtype=dtype, eagle_trees=[parse_tree_role(r) for r in baked] if eagle else None).specs
+    if set(want) != set(specs):
+        kind = getattr(model, "spec_mode", None) or "no drafter"
+        raise UserError(
+            f"{out_dir} holds graphs {sorted(specs)} but this model ({kind}) exports to {sorted(want)}: "
+            f"compare it with the model_dir (and --drafter) it was exported from"
+        )
+    for role, spec in want.items():
+        if spec.to_json() != specs[role].to_json():
+            raise UserError(
+                f"the {role} graph in {out_dir} does not have this model's inputs/outputs (other sizes or "
+                f"drafter): compare it with the model_dir (and --drafter) it was exported from"
+            )
+
+
+def _session(make_session, path: Path, provider: str, dtype: str):
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented
+
+    try:
+        return make_session(path, provider=provider)
+    except OrtNotImplemented as e:
+        detail = str(e).split(" : ")[-1].strip()
+        raise UnsupportedProviderError(
+            f"ONNX Runtime's {provider} provider cannot run the {dtype} graph {path.name} ({detail}); "
+            f"compare it on a provider with {dtype} kernels (e.g. --provider cuda)"
+        ) from None
+
+
+
+
+# ----------------------------------------------------------------------------- export's gate
+
+
+def validate_export(model, tmp: Path, manifest: Manifest, plan, log=print) -> dict:
+    """Compare the graphs in ``tmp`` (the plan's, traced) with ``model``; return the manifest's
+    ``validation`` record, or raise UserError if they disagree (nothing is written then).
+
+    A reduced-precision graph that ONNX Runtime's CPU provider cannot run at all (bfloat16: no CPU
+    kernels for several ops) is checked structurally with ``onnx.checker`` instead, and the record
+    and the log say that the numerical check was skipped.
+    """
+    import onnx
+
+    dtype = plan.dtype
+    try:
+        report = compare_model(model, tmp, manifest=manifest, plan=plan)
+    except UnsupportedProviderError as e:
+        if dtype == "float32":
+            raise
+        for spec in manifest.graphs.values():
+            onnx.checker.check_model(str(tmp / spec.file))
+        reason = str(e)
+        log(f"note: numerical check skipped: {reason}; the graphs passed onnx.checker")
+        if dtype == "bfloat16":
+            log("note: bfloat16 graphs are for other ONNX runtimes; graphs.load runs float32 and float16 exports")
+        return {"ok": None, "dtype": dtype, "device": "cpu", "skipped": reason}
+    if not report.ok:
+        log(report.table())
+        bad = report.failures()[0]
+        raise UserError(
+            f"exported {bad.graph} graph disagrees with PyTorch: {bad.output} in case {bad.case} "
+            f"max abs error {bad.max_abs:.3g} > {bad.limit:.3g}; nothing was written"
+        )
+    return {"ok": report.ok, "dtype": report.dtype, "device": report.device,
+            "max_abs": {f"{r.graph}/{r.case}/{r.output}": r.max_abs for r in report.rows}}
+
+
+def check_tree_graph(model, session, role: str, spec: C.GraphSpec, dtype: str) -> None:
+    """A newly baked one-call tree graph against PyTorch (tune's baking); UserError when it disagrees."""
+    from exporter.eagle_tree import graph_for_role, tree_cases
+
+    module = graph_for_role(model, role)
+    tol = TOLERANCES[(dtype, "cpu")]
+    for case, inputs in tree_cases(model, spec):
+        with torch.no_grad():
+            ref = [t.numpy() for t in module(*inputs)]
+        for o, r, g in zip(spec.outputs, ref, run_case(session, spec, inputs)):
+            row = compare_arrays(r, g, tol, o.name)
+            if not row["ok"]:
+                raise UserError(f"the baked {role} graph disagrees with PyTorch ({o.name}, {case}): not written")
