@@ -203,7 +203,7 @@ def medusa_candidates_batch(tree: Tree, root_tokens: np.ndarray, topk_ids: np.nd
 TOP1 = 0.6
 HEAD_DECAY = 0.8
 RANK_DECAY = 0.3
-# 8 tokens: on CPU a tree is not free (DESIGN.md: 8 tokens 9.1 ms, 16 tokens 10.9 ms, vs 6.5 ms
+# 8 tokens: on CPU a tree is not free (docs/DESIGN.md's cost model: 8 tokens 9.1 ms, 16 tokens 10.9 ms, vs 6.5 ms
 # for one). Measured with exporter.bench --sweep (3 heads, 2 cores): 8 tokens was fastest on the
 # 0.9M demo model (1.48x; 12 tokens 1.19x) and the 19M one (1.98x; 12 tokens 1.72x, 15 tokens 1.58x).
 DEFAULT_MEDUSA_TREE_SIZE = 8
