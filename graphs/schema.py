@@ -152,7 +152,7 @@ def check_manifest(d) -> None:
         _fail("tree.medusa_paths", "must be a list of paths")
     if "eagle" in tree and not isinstance(tree["eagle"], dict):
         _fail("tree.eagle", "must be {topk, depth, total_tokens}")
-    gen = _dict(d, "generation", required=False) or {}
+    gen = _dict(d, "generation")  # the exporter always writes it (eos ids): missing means tampered
     eos = gen.get("eos_token_ids") or []
     if not isinstance(eos, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
         _fail("generation.eos_token_ids", f"must be a list of token ids, got {eos!r}")

@@ -197,6 +197,8 @@ SCHEMA_CASES = [
     ("drafter_without_graph", lambda m: m["graphs"].pop("draft"), "must be both present or both absent"),
     ("medusa_heads", _set("drafter.num_heads", 5), "logits do not have 5 Medusa heads"),
     ("eos_string", _set("generation.eos_token_ids", "2"), "eos_token_ids must be a list of token ids"),
+    ("no_generation", lambda m: m.pop("generation"), "key 'generation' is missing"),  # once accepted silently
+    ("context_zero", _set("source.max_position_embeddings", 0), r"max_position_embeddings = 0 is outside"),
     ("tokenizer_outside", _set("tokenizer", "../tokenizer.json"), "not a plain relative path"),
     ("bad_digest", _set("files.base.onnx", "abc"), "is not a sha256 hex digest"),
     ("bad_dims", _set("graphs.base.inputs", [{"name": "input_ids", "dtype": "int64", "dims": [-1]}]), "bad dims"),
