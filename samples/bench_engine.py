@@ -204,6 +204,31 @@ def draw(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def markdown(result: dict) -> str:
+    """One table per export and prompt set: throughput by load, speculation off / on / adaptive."""
+    out = []
+    for e in result["exports"]:
+        for name, res in e["sets"].items():
+            out.append(f"\n{Path(e['path']).name} ({e['drafter']}), {name} prompts, {result['max_new_tokens']} new "
+                       f"tokens, {result['requests']} requests per load\n")
+            out.append("| load | off tok/s | on | adaptive | TPOT ms off / on / adaptive | TTFT ms off / adaptive "
+                       "| τ on / adaptive | host share adaptive |")
+            out.append("|---|---|---|---|---|---|---|---|")
+            loads = [(f"c={c}", cell) for c, cell in res["closed"].items()] + [
+                (f"Poisson {k}", cell) for k, cell in res["poisson"].items()]
+            for label, cell in loads:
+                off, on, ad = cell["off"], cell["on"], cell["adaptive"]
+                out.append(
+                    f"| {label} | {off['output_tokens_per_s']:.0f} | {on['output_tokens_per_s']:.0f} "
+                    f"({cell['ratios']['on']:.2f}x) | {ad['output_tokens_per_s']:.0f} "
+                    f"({cell['ratios']['adaptive']:.2f}x) "
+                    f"| {1000 * off['tpot_s']['median']:.1f} / {1000 * on['tpot_s']['median']:.1f} / "
+                    f"{1000 * ad['tpot_s']['median']:.1f} | {1000 * off['ttft_s']['median']:.0f} / "
+                    f"{1000 * ad['ttft_s']['median']:.0f} | {on['mean_accepted_length']:.2f} / "
+                    f"{ad['mean_accepted_length']:.2f} | {100 * ad['host_share']:.0f}% |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -218,7 +243,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--png", help="draw throughput and TPOT by concurrency here")
+    ap.add_argument("--markdown", help="re-render an earlier --json as tables and exit")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     if max(args.concurrency) > 16:
         ap.error("--concurrency above 16 needs a larger engine (max_batch 16 here)")
     result = {"threads": args.threads, "max_new_tokens": args.max_new_tokens, "requests": args.requests,
@@ -228,6 +257,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.png:
         draw(result, args.png)
+    print(markdown(result))
     return 0
 
 
