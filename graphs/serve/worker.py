@@ -63,8 +63,13 @@ class ErrorEvent:
 
 
 class Worker:
-    def __init__(self, decoder, config, metrics=None, idle_wait: float = 0.5):
+    def __init__(self, decoder, config, metrics=None, max_queue: int | None = None, idle_wait: float = 0.5):
+        """``config``: the engine's (max_batch: the running cap); ``max_queue``: requests that may wait
+        beyond it (None: unbounded). The bound is the worker's, on live requests (running + waiting):
+        the engine's own max_waiting would also count requests added since the last step while rows
+        are free (they take their rows in the next step)."""
         self.dec, self.config, self.metrics = decoder, config, metrics
+        self.capacity = None if max_queue is None else config.max_batch + max_queue
         self.engine = decoder.engine(config)
         self.idle_wait = idle_wait
         self._commands: deque = deque()
@@ -138,6 +143,11 @@ class Worker:
                     self.engine.remove_request(cmd[1])
                 continue
             _, prompt, params, max_new, deadline_s, arrival, loop, fut = cmd
+            if self.capacity is not None and len(self._handles) >= self.capacity:
+                e = CapacityError(f"{len(self._handles)} requests are running or waiting (at most "
+                                  f"{self.config.max_batch} + {self.capacity - self.config.max_batch}); retry later")
+                loop.call_soon_threadsafe(_set, fut, None, e)
+                continue
             try:
                 rid = self.engine.add_request(prompt, max_new_tokens=max_new, deadline_s=deadline_s, **params)
             except (InputError, CapacityError) as e:
@@ -197,7 +207,8 @@ class Worker:
         m = self.engine.memory()
         return {"running": m["rows_used"], "waiting": m["waiting"], "kv_allocated_bytes": m["kv_allocated_bytes"],
                 "kv_budget_bytes": m["kv_budget_bytes"], "max_running": self.config.max_batch,
-                "max_waiting": self.config.max_waiting, "live": len(self._handles)}
+                "max_waiting": None if self.capacity is None else self.capacity - self.config.max_batch,
+                "live": len(self._handles)}
 
 
 def _set(fut: asyncio.Future, value, error, worker: Worker | None = None, rid: int | None = None) -> None:
