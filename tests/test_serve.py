@@ -258,3 +258,28 @@ def test_overload_is_429_with_retry_after(guarded):
         guarded.wait_idle()
         assert c.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens >= 1
     guarded.wait_idle()
+
+
+def test_load_generator(server, export_dir, tmp_path):
+    """Bounded loads against the server: vLLM's serving metrics, closed loop and Poisson, JSON + PNG."""
+    from graphs.serve import loadgen
+
+    out = tmp_path / "load.json"
+    assert loadgen.main(["--url", server.url, "--concurrency", "1", "3", "--rate", "40", "--rate-fraction", "0.5",
+                         "--requests", "6", "--max-tokens", "8", "--speculation", "adaptive", "off",
+                         "--prompt-chars", "60", "--engine-baseline", str(export_dir), "--threads", "1",
+                         "--goodput", "ttft:5000", "tpot:1000", "--json", str(out), "--png",
+                         str(tmp_path / "load.png")]) == 0
+    rep = json.loads(out.read_text())
+    loads = [(r["load"], r["speculation"]) for r in rep["runs"]]
+    assert len(loads) == 8 and ("concurrency=3", "off") in loads and ("poisson=40.00/s", "adaptive") in loads
+    for r in rep["runs"]:
+        assert r["completed"] == 6 and r["failed"] == 0 and r["total_output_tokens"] == 48
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(r[key]) == {"mean", "median", "std", "p99"} and r[key]["median"] > 0
+        assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["goodput"] > 0
+        assert (r["spec_decode"]["num_drafts"] == 0) == (r["speculation"] == "off")
+    assert rep["engine_baseline"]["adaptive"]["server_overhead_ratio"] > 0
+    assert (tmp_path / "load.png").stat().st_size > 1000
+    with pytest.raises(SystemExit, match="loopback"):
+        loadgen.main(["--url", "http://example.com:8000"])
