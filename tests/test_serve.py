@@ -283,3 +283,19 @@ def test_load_generator(server, export_dir, tmp_path):
     assert (tmp_path / "load.png").stat().st_size > 1000
     with pytest.raises(SystemExit, match="loopback"):
         loadgen.main(["--url", "http://example.com:8000"])
+
+
+def test_the_server_needs_no_torch(server, tmp_path):
+    """Every server of these tests runs with torch and transformers unimportable (serve_helpers);
+    here the modules themselves: imported in that environment, nothing of torch is loaded."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from serve_helpers import blocked_env
+
+    code = ("import sys, graphs.serve.app, graphs.serve.loadgen, graphs.serve.__main__, graphs.chat\n"
+            "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'exporter')])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=blocked_env(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
