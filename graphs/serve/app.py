@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import threading
 import time
 import traceback
@@ -115,10 +116,12 @@ class ServerState:
                            code="invalid_api_key")
 
 
-def create_app(out_dir, config: ServeConfig | None = None, on_load_failure=None):
-    """The app; the export loads when it starts. ``on_load_failure(message)``: called if it cannot."""
+def create_app(out_dir, config: ServeConfig | None = None, on_load_failure=None, state: ServerState | None = None):
+    """The app; the export loads in the background when it starts (unless ``state`` is already
+    loaded: the Ray deployment loads before it takes traffic). ``on_load_failure(message)``: called
+    if it cannot load."""
     config = config or ServeConfig()
-    state = ServerState(out_dir, config)
+    state = state or ServerState(out_dir, config)
 
     def loader():
         try:
@@ -134,7 +137,8 @@ def create_app(out_dir, config: ServeConfig | None = None, on_load_failure=None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        threading.Thread(target=loader, name="loader", daemon=True).start()
+        if state.status == "loading":
+            threading.Thread(target=loader, name="loader", daemon=True).start()
         yield
         if state.worker is not None:
             await run_in_threadpool(state.worker.stop)
@@ -291,7 +295,8 @@ def create_app(out_dir, config: ServeConfig | None = None, on_load_failure=None)
         if state.status != "ready" or not state.worker.alive:
             body = {"status": state.status if state.status != "ready" else "engine stopped", "error": state.error}
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(config.retry_after)})
-        return {"status": "ok", "model": state.model, **state.worker.snapshot, "engine_failures": state.worker.failures}
+        return {"status": "ok", "model": state.model, **state.worker.snapshot, "engine_failures": state.worker.failures,
+                "pid": os.getpid()}
 
     @app.get("/metrics")
     async def metrics():
