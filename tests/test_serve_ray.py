@@ -1,8 +1,11 @@
 """Ray Serve scale-out (graphs.serve.ray_app): two replicas on loopback with fractional CPUs, each with
 its own engine, serving the OpenAI routes through Ray's proxy.
 
-Slow (Ray starts its GCS, raylet, proxy and two replica actors: about a minute on 2 cores), so
-deselected by default: ``python -m pytest -m slow tests/test_serve_ray.py``. Skipped without ray.
+Slow (Ray starts its GCS, raylet, proxy and two replica actors: 30-45 s on 2 cores) and opt-in:
+``SPECEXPORT_RAY_TESTS=1 python -m pytest -m slow tests/test_serve_ray.py``. Skipped without ray.
+Opt-in because Ray's own processes listen beyond loopback: the Serve HTTP proxy binds 127.0.0.1 as
+configured, but Ray core's gRPC servers (GCS, raylet, workers) listen on every interface and its
+dashboard agent on the node's address, and Ray (2.60) has no setting to keep them on loopback.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from serve_helpers import free_port, get, with_chat_template
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("SPECEXPORT_RAY_TESTS") != "1",
+                                                    reason="opt-in: SPECEXPORT_RAY_TESTS=1 (Ray listens beyond "
+                                                           "loopback)")]
 
 
 @pytest.fixture(scope="module")
