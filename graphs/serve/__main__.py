@@ -21,7 +21,7 @@ FLAGS = {  # field -> help (the dataclass holds the defaults and the long explan
     "max_tokens": "ceiling of a request's max_tokens, 400 above it; the default when a request sets none "
                   "(default: the room the prompt leaves)",
     "request_timeout": "seconds a request may run from arrival (default 300)",
-    "api_key_file": "file holding the API key; /v1 routes then need 'Authorization: Bearer <key>'",
+    "api_key_file": "file holding the API key; /v1 routes then need 'Authorization: Bearer <key>' (default: no key)",
     "served_model_name": "model id in /v1/models and responses (default: the export directory's name)",
     "max_body_bytes": "largest request body; larger is a 413 (default 1 MiB)",
     "prefill_chunk": "prompt tokens per prefill call (default 64)",
@@ -47,7 +47,8 @@ def parse_args(argv=None) -> tuple[str, ServeConfig, str]:
                        help=FLAGS[f.name])
     p.add_argument("--no-adaptive", action="store_true",
                    help="default speculation 'on' instead of 'adaptive' (requests may still choose)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's and the server's logging (default info; debug adds the access log)")
     a = vars(p.parse_args(argv))
     out_dir, level = a.pop("out_dir"), a.pop("log_level")
     a["adaptive"] = not a.pop("no_adaptive")

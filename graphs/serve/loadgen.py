@@ -381,7 +381,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m graphs.serve.loadgen", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
-    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                    help="/v1/completions, or /v1/chat/completions with the prompt as one user message")
     ap.add_argument("--speculation", nargs="+", default=["adaptive", "off"],
                     help="settings side by side (sent per request; 'default': the server's)")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16], help="closed-loop levels")
@@ -389,18 +390,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rate-fraction", type=float, nargs="*", default=[0.9],
                     help="Poisson rates as fractions of the highest closed loop's request throughput")
     ap.add_argument("--requests", type=int, default=64, help="requests per load")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--prompts", help="text prompts (one per line) or JSONL with 'prompt'; default: stdlib code")
     ap.add_argument("--prompt-chars", type=int, default=400, help="characters of each built-in prompt at most")
     ap.add_argument("--keep-eos", action="store_true", help="stop at eos (default: ignore_eos, fixed lengths)")
     ap.add_argument("--goodput", nargs="*", default=["ttft:1000", "tpot:50"], help="SLOs in ms: ttft: tpot: e2el:")
     ap.add_argument("--max-duration", type=float, default=300, help="seconds per load at most")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per request at most")
-    ap.add_argument("--engine-baseline", metavar="OUT_DIR", help="also run the export on an in-process engine")
+    ap.add_argument("--engine-baseline", metavar="OUT_DIR",
+                    help="also run the export on an in-process engine (default: not run)")
     ap.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads of --engine-baseline")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write the report here")
-    ap.add_argument("--png", help="draw the report here (matplotlib)")
+    ap.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
+    ap.add_argument("--json", help="write the report here (default: printed only)")
+    ap.add_argument("--png", help="draw the report here, with matplotlib (default: not drawn)")
     a = ap.parse_args(argv)
     if a.requests < 1 or a.max_tokens < 1 or any(c < 1 for c in a.concurrency):
         raise SystemExit("error: --requests, --max-tokens and --concurrency must be >= 1")
