@@ -69,63 +69,65 @@ class Metrics:
                                registry=r)
         self.rejected = counter("specexport:requests_rejected", "Requests refused", ["reason"])
         self._steps_seen = self._plain_seen = 0
+        # the children of this model's label, bound once (a labels() lookup per event costs a lock and a dict)
+        for name in ("drafts", "draft_tokens", "accepted", "prompt_tokens", "generation_tokens", "steps", "plain_steps",
+                     "ttft", "itl", "tpot", "e2e", "running", "waiting", "kv_bytes", "kv_budget"):
+            setattr(self, "_" + name, getattr(self, name).labels(model_name))
 
     def observe(self, h, ev, live_req, now: float) -> None:
         """One event of one request (the engine's thread). ``live_req``: the engine's Request while live."""
-        m = self.model
         n = len(ev.token_ids)
         if n:
-            self.generation_tokens.labels(m).inc(n)
+            self._generation_tokens.inc(n)
             if h.t_first is None:
                 h.t_first = now
-                self.ttft.labels(m).observe(now - h.arrival)
+                self._ttft.observe(now - h.arrival)
             else:
-                self.itl.labels(m).observe(now - h.t_last)
+                self._itl.observe(now - h.t_last)
             h.t_last = now
         stats = ev.stats if ev.stats is not None else (live_req.stats if live_req is not None else None)
         if stats is not None:
             self._spec(h, stats)
         if ev.finish_reason is not None:
-            self.success.labels(m, FINISH.get(ev.finish_reason, ev.finish_reason)).inc()
-            self.prompt_tokens.labels(m).inc(h.prompt_tokens)
-            self.e2e.labels(m).observe(now - h.arrival)
+            self.success.labels(self.model, FINISH.get(ev.finish_reason, ev.finish_reason)).inc()
+            self._prompt_tokens.inc(h.prompt_tokens)
+            self._e2e.observe(now - h.arrival)
             out = stats.new_tokens if stats is not None else 0
             if out > 1 and h.t_first is not None:
-                self.tpot.labels(m).observe((now - h.t_first) / (out - 1))
+                self._tpot.observe((now - h.t_first) / (out - 1))
 
     def _spec(self, h, st) -> None:
-        m, seen = self.model, h.seen
-        for key, metric, value in (("drafts", self.drafts, st.speculative_steps),
-                                   ("draft_tokens", self.draft_tokens, st.draft_tokens),
-                                   ("accepted", self.accepted, st.accepted_drafts)):
+        seen = h.seen
+        for key, metric, value in (("drafts", self._drafts, st.speculative_steps),
+                                   ("draft_tokens", self._draft_tokens, st.draft_tokens),
+                                   ("accepted", self._accepted, st.accepted_drafts)):
             d = value - seen.get(key, 0)
             if d > 0:
-                metric.labels(m).inc(d)
+                metric.inc(d)
                 seen[key] = value
         pos = seen.setdefault("per_pos", [])
         for k, v in enumerate(st.accepted_per_pos):
             old = pos[k] if k < len(pos) else 0
             if v > old:
-                self.per_pos.labels(m, str(k)).inc(v - old)
+                self.per_pos.labels(self.model, str(k)).inc(v - old)
         seen["per_pos"] = list(st.accepted_per_pos)
 
     def engine_step(self, engine, snapshot: dict) -> None:
-        m, tot = self.model, engine.totals
+        tot = engine.totals
         if tot.steps < self._steps_seen:  # a rebuilt engine starts again from zero
             self._steps_seen = self._plain_seen = 0
         if tot.steps > self._steps_seen:
-            self.steps.labels(m).inc(tot.steps - self._steps_seen)
+            self._steps.inc(tot.steps - self._steps_seen)
         if tot.plain_steps > self._plain_seen:
-            self.plain_steps.labels(m).inc(tot.plain_steps - self._plain_seen)
+            self._plain_steps.inc(tot.plain_steps - self._plain_seen)
         self._steps_seen, self._plain_seen = tot.steps, tot.plain_steps
         self.gauges(snapshot)
 
     def gauges(self, snapshot: dict) -> None:
-        m = self.model
-        self.running.labels(m).set(snapshot["running"])
-        self.waiting.labels(m).set(snapshot["waiting"])
-        self.kv_bytes.labels(m).set(snapshot["kv_allocated_bytes"])
-        self.kv_budget.labels(m).set(snapshot["kv_budget_bytes"])
+        self._running.set(snapshot["running"])
+        self._waiting.set(snapshot["waiting"])
+        self._kv_bytes.set(snapshot["kv_allocated_bytes"])
+        self._kv_budget.set(snapshot["kv_budget_bytes"])
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
