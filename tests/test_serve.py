@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 from serve_helpers import Server, get, metric, render, with_chat_template
 
 import graphs
 
+for _name in ("fastapi", "uvicorn", "prometheus_client", "jinja2"):  # the serve extra (also in dev)
+    pytest.importorskip(_name)
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 PROMPT = "def main("

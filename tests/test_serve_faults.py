@@ -19,11 +19,13 @@ import socket
 import threading
 import time
 
-import httpx
 import pytest
 from conftest import run_module
 from serve_helpers import Server, metric, with_chat_template
 
+for _name in ("fastapi", "uvicorn", "prometheus_client", "jinja2"):  # the serve extra (also in dev)
+    pytest.importorskip(_name)
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 PROMPT = "def main("

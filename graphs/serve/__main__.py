@@ -84,7 +84,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=level,
-                                           timeout_keep_alive=30, access_log=level == "debug"))
+                                           timeout_keep_alive=30, timeout_graceful_shutdown=30,
+                                           access_log=level == "debug"))
     server.run()
     if failed:
         print(f"error: cannot serve {out_dir}: {failed[0]}", file=sys.stderr)
