@@ -147,7 +147,7 @@ def test_tree_per_request(client, dec):
      "presence_penalty"), ({"best_of": 3}, "best_of"), ({"frobnicate": 1}, "frobnicate"),
     ({"temperature": -1}, None), ({"top_p": 0}, None), ({"max_tokens": 0}, "max_tokens"),
     ({"speculation": "maybe"}, "speculation"), ({"tree": "/etc/passwd"}, "tree"), ({"seed": -3}, "seed"),
-    ({"stop": [""]}, "stop"), ({"top_k": 1.5}, "top_k"), ({"tree": [[0] * 9]}, None),
+    ({"stop": [""]}, "stop"), ({"top_k": 1.5}, "top_k"), ({"tree": [[0] * 9]}, None), ({"tree": [[0]] * 65}, "tree"),
     ({"prompt": ["a", "b"]}, "prompt"), ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_parameters_are_400s_that_name_them(server, extra, param):

@@ -90,7 +90,7 @@ class ServerState:
                                    f"tokenizer_config.json's chat_template); use /v1/completions")
         dec.generate([1], max_new_tokens=2)  # the first call of each graph is slow: not a user's
         self.dec = dec
-        self.limits = Limits(self.model, worker.engine.max_len, cfg.max_tokens)
+        self.limits = Limits(self.model, worker.engine.max_len, cfg.max_tokens, max_tree=cfg.max_tree)
         worker.start()
         self.worker = worker
         self.metrics.gauges(worker.snapshot)

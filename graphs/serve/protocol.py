@@ -56,6 +56,7 @@ class Limits:
     max_len: int  # positions per request: prompt + new tokens
     max_tokens: int | None = None  # ceiling of max_tokens (None: the room left in the context)
     max_stop: int = 16
+    max_tree: int = 64  # nodes: a longer list of Medusa paths is refused before the engine's thread parses it
 
 
 @dataclass
@@ -226,7 +227,11 @@ def _spec(kind, prompt, body, max_tokens, limits: Limits, add_special_tokens: bo
         if not isinstance(body["tree"], (list, dict)):  # a string would be a file name on the server
             raise bad('tree must be Medusa paths (a list of lists) or an EAGLE {"topk", "depth", "total_tokens"}',
                       "tree")
-        params["tree"] = body["tree"]
+        tree = body["tree"]
+        if isinstance(tree, list) and (len(tree) > limits.max_tree or any(
+                not isinstance(p, list) or len(p) > limits.max_tree for p in tree)):
+            raise bad(f"tree: at most {limits.max_tree} Medusa paths of at most {limits.max_tree} ranks each", "tree")
+        params["tree"] = tree
     if body.get("acceptance") is not None:
         if body["acceptance"] not in ("lossless", "typical"):
             raise bad(f"acceptance must be \"lossless\" or \"typical\", got {body['acceptance']!r}", "acceptance")
