@@ -301,3 +301,26 @@ def test_the_server_needs_no_torch(server, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=blocked_env(tmp_path), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["eagle", "base"])
+def test_other_exports(exported, tmp_path, kind):
+    """EAGLE (its own proposer and K/V) and a base-only export (no drafter: speculation 'on' is a 400)."""
+    out_dir = exported(kind)
+    want = graphs.load(out_dir, provider="cpu", threads=1).generate(PROMPT, max_new_tokens=16, temperature=0)
+    with Server(out_dir, tmp_path, "--served-model-name", kind) as s, \
+            openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0) as c:
+        r = c.completions.create(model=kind, prompt=PROMPT, max_tokens=16, temperature=0)
+        assert r.choices[0].text == want.text
+        streamed = "".join(x.choices[0].text for x in c.completions.create(model=kind, prompt=PROMPT, max_tokens=16,
+                                                                           temperature=0, stream=True))
+        assert streamed == want.text
+        if kind == "base":
+            assert r.spec_decode["speculation"] == "off" and r.spec_decode["num_drafts"] == 0
+            with pytest.raises(openai.BadRequestError, match="needs a drafter"):
+                c.completions.create(model=kind, prompt=PROMPT, max_tokens=4, extra_body={"speculation": "on"})
+        else:
+            assert r.spec_decode["num_drafts"] > 0 or r.spec_decode["plain_steps"] == r.spec_decode["steps"]
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            c.chat.completions.create(model=kind, messages=[{"role": "user", "content": "hi"}])
+        s.wait_idle()
