@@ -187,8 +187,10 @@ def create_app(out_dir, config: ServeConfig | None = None, on_load_failure=None,
                 spec, messages = parse_chat(body, state.limits)
                 if state.template is None:
                     raise bad(state.template_error, "messages", "no_chat_template")
-                text = await run_in_threadpool(state.template.render, messages)
                 tok = state.dec.tokenizer
+                if tok is None:
+                    raise bad(f"the export {state.model} has no tokenizer.json: chat needs one", "messages")
+                text = await run_in_threadpool(state.template.render, messages)
                 ids = await run_in_threadpool(lambda: tok.encode(text, add_special_tokens=False).ids)
             else:
                 spec = parse_completion(body, state.limits)
