@@ -201,6 +201,7 @@ def test_metrics_use_vllms_names(server, client):
     assert metric(after, "specexport:engine_steps_total") > metric(before, "specexport:engine_steps_total")
     assert "specexport:plain_steps_total" in after and "vllm:num_requests_running" in after
     assert "vllm:num_requests_waiting" in after
+    assert 0 < metric(after, "specexport:worker_overhead_seconds") < metric(after, "specexport:engine_step_seconds")
 
 
 def test_curl_style_sse(server):

@@ -304,6 +304,7 @@ def create_app(out_dir, config: ServeConfig | None = None, on_load_failure=None,
     async def metrics():
         if state.worker is not None:
             state.metrics.gauges(state.worker.snapshot)
+            state.metrics.times(state.worker.step_seconds, state.worker.worker_seconds)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -15,6 +15,9 @@
     specexport:plain_steps_total                   of them, steps where no row drafted (adaptive chose
                                                    plain decoding, or every row asked speculation off)
     specexport:kv_allocated_bytes                  host K/V allocated now (the budget: _budget_bytes)
+    specexport:engine_step_seconds                 time inside engine.step() (gauge: the total so far)
+    specexport:worker_overhead_seconds             the engine thread's time around its steps: the server's
+                                                   own cost on that thread (commands, events, metrics)
 
 Every series has a ``model_name`` label. Times are measured on the engine's thread when the step
 emitted the tokens (as vLLM's engine-side stats), not when a slow client read them.
@@ -68,10 +71,16 @@ class Metrics:
         self.kv_budget = Gauge("specexport:kv_budget_bytes", "Host K/V memory the engine may allocate", lab,
                                registry=r)
         self.rejected = counter("specexport:requests_rejected", "Requests refused", ["reason"])
+        self.step_seconds = Gauge("specexport:engine_step_seconds", "Seconds spent inside engine.step()", lab,
+                                  registry=r)
+        self.worker_seconds = Gauge("specexport:worker_overhead_seconds",
+                                    "Seconds the engine's thread spent around its steps (commands, events, metrics)",
+                                    lab, registry=r)
         self._steps_seen = self._plain_seen = 0
         # the children of this model's label, bound once (a labels() lookup per event costs a lock and a dict)
         for name in ("drafts", "draft_tokens", "accepted", "prompt_tokens", "generation_tokens", "steps", "plain_steps",
-                     "ttft", "itl", "tpot", "e2e", "running", "waiting", "kv_bytes", "kv_budget"):
+                     "ttft", "itl", "tpot", "e2e", "running", "waiting", "kv_bytes", "kv_budget", "step_seconds",
+                     "worker_seconds"):
             setattr(self, "_" + name, getattr(self, name).labels(model_name))
 
     def observe(self, h, ev, live_req, now: float) -> None:
@@ -122,6 +131,10 @@ class Metrics:
             self._plain_steps.inc(tot.plain_steps - self._plain_seen)
         self._steps_seen, self._plain_seen = tot.steps, tot.plain_steps
         self.gauges(snapshot)
+
+    def times(self, step_seconds: float, worker_seconds: float) -> None:
+        self._step_seconds.set(step_seconds)
+        self._worker_seconds.set(worker_seconds)
 
     def gauges(self, snapshot: dict) -> None:
         self._running.set(snapshot["running"])

@@ -80,6 +80,8 @@ class Worker:
         self.snapshot: dict = self._memory()
         self.steps = 0
         self.failures = 0
+        self.step_seconds = 0.0  # inside engine.step()
+        self.worker_seconds = 0.0  # the worker's own work around the steps (commands, events, metrics)
 
     # ------------------------------------------------------------------ any thread / the event loop
 
@@ -121,13 +123,18 @@ class Worker:
     def _run(self) -> None:
         while not self._stop:
             self._wake.clear()
+            t0 = time.perf_counter()
             self._drain()
             try:
                 pending = self.engine.has_pending_requests()
                 if pending:
+                    t1 = time.perf_counter()
                     events = self.engine.step()
+                    t2 = time.perf_counter()
                     self.steps += 1
                     self._deliver(events)
+                    self.step_seconds += t2 - t1
+                    self.worker_seconds += time.perf_counter() - t0 - (t2 - t1)
             except Exception as e:  # a bug or a failed graph: fail every live request, rebuild, go on
                 self._fail(e)
                 continue
