@@ -143,6 +143,8 @@ class Worker:
         self._fail(RuntimeError("the server is shutting down"), rebuild=False)
 
     def _drain(self) -> None:
+        if not self._commands:
+            return
         while self._commands:
             cmd = self._commands.popleft()
             if cmd[0] == "cancel":
