@@ -4,8 +4,9 @@ ends with a clear error.
 Through a server on a loopback port (as test_serve): 100 of 200 streaming clients disconnecting at
 random points, a disconnect mid-stream through the openai client and one of a non-streamed request,
 malformed JSON, bodies over the size limit, a client that reads its stream very slowly. In-process
-(FastAPI's test client): /health 503 while loading, a failing engine step (500, then the next request
-served by a rebuilt engine), an export that cannot load. 4x more concurrent requests than the cap
+(FastAPI's test client): /health 503 while loading, a failing engine step (a 500, or an error chunk
+and [DONE] in a stream; then the next request served by a rebuilt engine), the per-request deadline
+and the max_tokens ceiling, an export that cannot load. 4x more concurrent requests than the cap
 and a prompt over the context are in test_serve (test_overload_is_429_with_retry_after,
 test_prompt_over_the_context).
 """
@@ -232,28 +233,54 @@ def test_health_is_503_while_loading(export_dir, monkeypatch):
         assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
 
 
+def _ready(c):
+    state = c.app.state.serve
+    deadline = time.monotonic() + 30
+    while state.status != "ready":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return state
+
+
+def _break(state):
+    def boom():
+        raise RuntimeError("injected fault")
+
+    state.worker.engine.step = boom
+    return state.worker.engine
+
+
 def test_a_failing_engine_step_is_a_500_then_the_engine_is_rebuilt(export_dir):
     with _client(export_dir) as c:
-        state = c.app.state.serve
-        deadline = time.monotonic() + 30
-        while state.status != "ready":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        broken = state.worker.engine
-
-        def boom():
-            raise RuntimeError("injected fault")
-
-        broken.step = boom
+        state = _ready(c)
+        broken = _break(state)
         r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        assert state.worker.engine is not broken and state.worker.failures == 1
+        _break(state)
         with c.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True}) as s:
             lines = [x for x in s.iter_lines() if x]
-        assert lines[-1] == "data: [DONE]"  # the rebuilt engine served it (or an error chunk said why)
-        assert state.worker.engine is not broken and state.worker.failures == 1
+        assert s.status_code == 200 and lines[-1] == "data: [DONE]"  # a stream that fails says so, then ends
+        assert "injected fault" in json.loads(lines[-2][6:])["error"]["message"]
         r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        assert c.get("/health").json()["engine_failures"] == 1
+        assert c.get("/health").json()["engine_failures"] == 2
+
+
+def test_deadline_and_max_tokens_ceiling(export_dir):
+    with _client(export_dir, request_timeout=0.1, max_tokens=480) as c:
+        _ready(c)
+        t0 = time.monotonic()
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True})
+        body = r.json()
+        assert r.status_code == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] < 480 and time.monotonic() - t0 < 5  # cut by the deadline
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 481})
+        assert r.status_code == 400 and "ceiling of 480" in r.json()["error"]["message"]
+    with _client(export_dir, max_tokens=7) as c:
+        _ready(c)
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "ignore_eos": True})  # no max_tokens: the ceiling
+        assert r.json()["usage"]["completion_tokens"] == 7
 
 
 def test_an_export_that_cannot_load(tmp_path):
