@@ -12,9 +12,12 @@ and a ``tojson`` filter; special tokens (``bos_token``, ``eos_token``, ...) are 
 
 A hostile template can neither reach Python objects (the sandbox: no attributes starting with ``_``,
 no mutation of its arguments) nor run for ever or fill memory: rendering is traced and stopped
-after ``time_limit`` seconds, ``*`` and ``**`` refuse results over ``max_chars``, ``range`` is the
-sandbox's (at most 100,000 items), and the output is cut off at ``max_chars`` (a
-:class:`TemplateLimitError`). Errors are :class:`graphs.errors.InputError` (one line).
+after ``time_limit`` seconds, ``*`` and ``**`` refuse results over ``max_chars``, the widths of
+``center``/``indent``/``wordwrap``/``truncate``/``tojson(indent)`` are capped at 1024, ``range`` is
+the sandbox's (at most 100,000 items), and the output is cut off at ``max_chars`` (a
+:class:`TemplateLimitError`). Not covered: ``str.format``/``%`` with a huge field width, one C-level
+call that allocates before any check (a template file is the operator's choice; message text is
+never template code). Errors are :class:`graphs.errors.InputError` (one line).
 """
 
 from __future__ import annotations
@@ -67,13 +70,21 @@ class ChatTemplate:
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 
+        def width(name, n):  # C-level string builders allocate before any output check: cap their widths
+            if isinstance(n, int) and n > 1024:
+                raise TemplateLimitError(f"chat template: {name} width {n} is over the limit of 1024")
+            return n
+
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=width("tojson indent", indent),
+                              separators=separators, sort_keys=sort_keys)
 
         env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = tojson
+        for name, arg in (("center", 1), ("indent", 1), ("wordwrap", 1), ("truncate", 1)):
+            env.filters[name] = _capped(env.filters[name], name, arg, width)
         self._errors = (jinja2.exceptions.TemplateError, ArithmeticError, TypeError, ValueError, RecursionError)
         try:
             self._template = env.from_string(source)
@@ -126,6 +137,24 @@ class ChatTemplate:
         finally:
             sys.settrace(old)
         return "".join(out)
+
+
+def _capped(f, name: str, index: int, check):
+    """Filter ``f`` with its width argument (positional ``index`` after the value, or ``width``) checked."""
+    import functools
+
+    @functools.wraps(f)
+    def g(*args, **kwargs):
+        pos = index + (1 if args and hasattr(args[0], "environment") else 0)  # pass_environment/pass_eval_context
+        if len(args) > pos:
+            check(name, args[pos])
+        if "width" in kwargs:
+            check(name, kwargs["width"])
+        if name == "truncate" and "length" in kwargs:
+            check(name, kwargs["length"])
+        return f(*args, **kwargs)
+
+    return g
 
 
 def _read_json(path: Path):

@@ -90,6 +90,10 @@ def test_no_python_objects(source):
     ("{{ [1] * 1000000000 }}", "over the output limit"),
     ("{{ 9 ** 99999999 }}", "exponent"),
     ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError|time limit"),
+    ("{{ 'x' | center(1000000000) }}", "width"),
+    ("{{ messages | tojson(indent=1000000000) }}", "width"),
+    ("{{ 'a b' | wordwrap(width=1000000000) }}", "width"),
+    ("{{ 'a\nb' | indent(1000000000) }}", "width"),
 ])
 def test_hostile_templates_stop_in_bounded_time(source, what):
     t0 = time.perf_counter()
@@ -102,5 +106,7 @@ def test_limits_are_exact_errors():
     with pytest.raises(TemplateLimitError):
         ChatTemplate("{{ 'ab' * 60 }}", max_chars=100).render(MESSAGES)
     assert ChatTemplate("{{ 'ab' * 50 }}", max_chars=100).render(MESSAGES) == "ab" * 50
+    assert ChatTemplate("{{ 'ab' | center(6) }}|{{ 'a\nb' | indent(2) }}|{{ 'aaa bbb' | wordwrap(4) }}").render(
+        MESSAGES) == "  ab  |a\n  b|aaa\nbbb"  # capped filters still work below their cap
     with pytest.raises(InputError, match="does not compile"):
         ChatTemplate("{% for %}")
