@@ -45,6 +45,7 @@ from graphs.serve.protocol import (
 )
 
 log = logging.getLogger("graphs.serve")
+INLINE_CHARS = 8192  # prompts up to this long are tokenized on the event loop, longer ones in a thread
 
 
 class ServerState:
@@ -194,8 +195,12 @@ def create_app(out_dir, config: ServeConfig | None = None, on_load_failure=None,
                 ids = await run_in_threadpool(lambda: tok.encode(text, add_special_tokens=False).ids)
             else:
                 spec = parse_completion(body, state.limits)
-                ids = spec.prompt if isinstance(spec.prompt, list) else await run_in_threadpool(
-                    state.dec.encode, spec.prompt)
+                if isinstance(spec.prompt, list):
+                    ids = spec.prompt
+                elif len(spec.prompt) <= INLINE_CHARS:  # tens of microseconds: cheaper than a thread hop
+                    ids = state.dec.encode(spec.prompt)
+                else:
+                    ids = await run_in_threadpool(state.dec.encode, spec.prompt)
             max_new = _max_new(spec, len(ids), state.limits)
             h = await state.worker.submit(ids, spec.params, max_new, deadline_s=config.request_timeout,
                                           arrival=arrival)
