@@ -98,7 +98,7 @@ def test_200_streams_half_of_them_disconnecting(server):
 def test_disconnect_mid_stream_frees_the_row(server):
     before = metric(server.metrics(), "vllm:request_success_total", finished_reason="abort")
     with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as c:
-        stream = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPT, max_tokens=400, stream=True,
+        stream = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPT, max_tokens=480, stream=True,
                                       extra_body={"ignore_eos": True})
         for i, _ in enumerate(stream):
             if i == 2:
@@ -116,7 +116,7 @@ def test_a_non_streamed_client_that_leaves_frees_its_row(server):
     before = metric(server.metrics(), "vllm:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True},
-                   timeout=0.3)
+                   timeout=0.1)
     server.wait_idle(timeout=5)
     assert metric(server.metrics(), "vllm:request_success_total", finished_reason="abort") == before + 1
     _still_serves(server)
