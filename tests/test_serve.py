@@ -271,7 +271,7 @@ def test_load_generator(server, export_dir, tmp_path):
     assert loadgen.main(["--url", server.url, "--concurrency", "1", "3", "--rate", "40", "--rate-fraction", "0.5",
                          "--requests", "6", "--max-tokens", "8", "--speculation", "adaptive", "off",
                          "--prompt-chars", "60", "--engine-baseline", str(export_dir), "--threads", "1",
-                         "--goodput", "ttft:5000", "tpot:1000", "--json", str(out), "--png",
+                         "--overhead-repeats", "2", "--goodput", "ttft:5000", "tpot:1000", "--json", str(out), "--png",
                          str(tmp_path / "load.png")]) == 0
     rep = json.loads(out.read_text())
     loads = [(r["load"], r["speculation"]) for r in rep["runs"]]
@@ -283,6 +283,7 @@ def test_load_generator(server, export_dir, tmp_path):
         assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["goodput"] > 0
         assert (r["spec_decode"]["num_drafts"] == 0) == (r["speculation"] == "off")
     assert rep["engine_baseline"]["adaptive"]["server_overhead_ratio"] > 0
+    assert len(rep["engine_baseline"]["off"]["pairs"]) == 2
     assert (tmp_path / "load.png").stat().st_size > 1000
     with pytest.raises(SystemExit, match="loopback"):
         loadgen.main(["--url", "http://example.com:8000"])

@@ -45,6 +45,8 @@ def parse_args(argv=None) -> tuple[str, ServeConfig, str]:
         kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=getattr(defaults, f.name),
                        help=FLAGS[f.name])
+    p.add_argument("--no-shared-pool", action="store_true",
+                   help="a thread pool per ONNX Runtime session (default: one shared pool, as the CLIs)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="default speculation 'on' instead of 'adaptive' (requests may still choose)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -52,6 +54,7 @@ def parse_args(argv=None) -> tuple[str, ServeConfig, str]:
     a = vars(p.parse_args(argv))
     out_dir, level = a.pop("out_dir"), a.pop("log_level")
     a["adaptive"] = not a.pop("no_adaptive")
+    a["shared_pool"] = not a.pop("no_shared_pool")
     return out_dir, ServeConfig(**a), level
 
 

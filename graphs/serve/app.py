@@ -75,6 +75,10 @@ class ServerState:
 
         cfg = self.config
         verify = {"auto": "auto", "true": True, "false": False}.get(str(cfg.verify).lower(), cfg.verify)
+        if cfg.shared_pool and cfg.provider != "cuda":
+            from graphs.sessions import use_shared_thread_pool
+
+            use_shared_thread_pool(cfg.threads)  # the server owns its process: one pool for base, draft, K/V
         dec = graphs.load(self.out_dir, provider=cfg.provider, threads=cfg.threads, verify=verify,
                           eagle_draft=cfg.eagle_draft, adaptive=cfg.adaptive)
         ecfg = EngineConfig(max_batch=cfg.max_running, max_len=cfg.max_model_len, prefill_chunk=cfg.prefill_chunk,

@@ -18,7 +18,8 @@ and reports vLLM's serving metrics (``vllm bench serve``'s names):
 
 each as mean, median, std and p99, plus the acceptance the server reported (``spec_decode``).
 ``--engine-baseline OUT_DIR`` also runs the same requests on an in-process engine (no HTTP) at
-concurrency 1, so the server's overhead is ``server tok/s / engine tok/s``.
+concurrency 1, so the server's overhead is ``server tok/s / engine tok/s`` (the median over
+``--overhead-repeats`` back-to-back pairs of a server run and an engine run).
 
 Bounded: at most ``--requests`` per load and ``--max-duration`` seconds per load (then it stops
 sending and waits for the requests in flight, at most ``--timeout`` each). It refuses any host but
@@ -236,7 +237,9 @@ def engine_baseline(out_dir: str, prompts: list[str], max_tokens: int, speculati
     """The same requests one at a time on an in-process engine (what the server adds nothing to)."""
     import graphs
     from graphs.engine import EngineConfig
+    from graphs.sessions import use_shared_thread_pool
 
+    use_shared_thread_pool(threads)  # as the server does
     dec = graphs.load(out_dir, provider="cpu", threads=threads)
     engine = dec.engine(EngineConfig(max_batch=1))
     kw = {"max_new_tokens": max_tokens, "temperature": 0}
@@ -333,7 +336,7 @@ def run(url: str, speculations: list, concurrency: list[int], rates: list[float]
         requests: int, max_tokens: int, endpoint: str = "completions", prompts_file: str | None = None,
         max_duration: float = 300, timeout: float = 300, slo: dict | None = None, ignore_eos: bool = True,
         engine_out_dir: str | None = None, threads: int = 2, warmup: int = 2, seed: int = 0, prompt_chars: int = 400,
-        log=print) -> dict:
+        overhead_repeats: int = 3, log=print) -> dict:
     """Every load for every speculation setting; the report (see the module doc)."""
     url = check_loopback(url)
     model = asyncio.run(_model(url))
@@ -363,16 +366,25 @@ def run(url: str, speculations: list, concurrency: list[int], rates: list[float]
             m = asyncio.run(run_load(url, endpoint, model, prompts, max_tokens, spec, rate=rate, **common))
             record(f"poisson={rate:.2f}/s", spec, m)
     if engine_out_dir:
+        # the server's overhead: server and in-process engine at concurrency 1, in back-to-back pairs (a
+        # busy machine drifts; a pair sees the same drift), the median of the pairs' ratios
         base = {}
         for spec in speculations:
-            e = engine_baseline(engine_out_dir, prompts, max_tokens, spec, threads, ignore_eos)
-            served = next((r for r in result["runs"] if r["load"] == "concurrency=1" and r["speculation"] == spec),
-                          None)
-            if served is not None:
-                e["server_overhead_ratio"] = served["output_throughput"] / e["output_throughput"]
+            pairs = []
+            for rep in range(overhead_repeats):
+                served = next((r for r in result["runs"] if r["load"] == "concurrency=1" and r["speculation"] == spec),
+                              None) if rep == 0 else None
+                if served is None:
+                    served = asyncio.run(run_load(url, endpoint, model, prompts, max_tokens, spec, concurrency=1,
+                                                  **common))
+                e = engine_baseline(engine_out_dir, prompts, max_tokens, spec, threads, ignore_eos)
+                pairs.append({"server_tok_s": served["output_throughput"], "engine_tok_s": e["output_throughput"],
+                              "ratio": served["output_throughput"] / e["output_throughput"]})
+            e["pairs"] = pairs
+            e["server_overhead_ratio"] = float(np.median([p_["ratio"] for p_ in pairs]))
             base[str(spec)] = e
-            log(f"engine alone, speculation {spec}: {e['output_throughput']:.1f} tok/s"
-                + (f"; server / engine = {e['server_overhead_ratio']:.3f}" if "server_overhead_ratio" in e else ""))
+            log(f"engine alone, speculation {spec}: {e['output_throughput']:.1f} tok/s; server / engine = "
+                f"{e['server_overhead_ratio']:.3f} (median of {len(pairs)} back-to-back pairs)")
         result["engine_baseline"] = base
     return result
 
@@ -400,6 +412,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-baseline", metavar="OUT_DIR",
                     help="also run the export on an in-process engine (default: not run)")
     ap.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads of --engine-baseline")
+    ap.add_argument("--overhead-repeats", type=int, default=3,
+                    help="server/engine pairs at concurrency 1 for --engine-baseline (their median ratio)")
     ap.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
     ap.add_argument("--json", help="write the report here (default: printed only)")
     ap.add_argument("--png", help="draw the report here, with matplotlib (default: not drawn)")
@@ -409,7 +423,7 @@ def main(argv=None) -> int:
     specs = [None if s == "default" else s for s in a.speculation]
     result = run(a.url, specs, a.concurrency, a.rate, a.rate_fraction, a.requests, a.max_tokens, a.endpoint,
                  a.prompts, a.max_duration, a.timeout, parse_slo(a.goodput), not a.keep_eos, a.engine_baseline,
-                 a.threads, seed=a.seed, prompt_chars=a.prompt_chars)
+                 a.threads, seed=a.seed, prompt_chars=a.prompt_chars, overhead_repeats=a.overhead_repeats)
     print(_table(result["runs"]))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
