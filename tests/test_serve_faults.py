@@ -206,7 +206,8 @@ def _client(export_dir, **kw):
 
     from graphs.serve import ServeConfig, create_app
 
-    return TestClient(create_app(export_dir, ServeConfig(threads=1, **kw)))
+    # shared_pool=False: ONNX Runtime's shared pool is process-wide, and this process runs other tests
+    return TestClient(create_app(export_dir, ServeConfig(threads=1, shared_pool=False, **kw)))
 
 
 def test_health_is_503_while_loading(export_dir, monkeypatch):

@@ -233,13 +233,14 @@ def goodput(records: list[dict], wall: float, slo: dict) -> float | None:
 
 
 def engine_baseline(out_dir: str, prompts: list[str], max_tokens: int, speculation, threads: int,
-                    ignore_eos: bool) -> dict:
+                    ignore_eos: bool, shared_pool: bool = True) -> dict:
     """The same requests one at a time on an in-process engine (what the server adds nothing to)."""
     import graphs
     from graphs.engine import EngineConfig
     from graphs.sessions import use_shared_thread_pool
 
-    use_shared_thread_pool(threads)  # as the server does
+    if shared_pool:
+        use_shared_thread_pool(threads)  # as the server does (process-wide: every later session of this process)
     dec = graphs.load(out_dir, provider="cpu", threads=threads)
     engine = dec.engine(EngineConfig(max_batch=1))
     kw = {"max_new_tokens": max_tokens, "temperature": 0}
@@ -336,7 +337,7 @@ def run(url: str, speculations: list, concurrency: list[int], rates: list[float]
         requests: int, max_tokens: int, endpoint: str = "completions", prompts_file: str | None = None,
         max_duration: float = 300, timeout: float = 300, slo: dict | None = None, ignore_eos: bool = True,
         engine_out_dir: str | None = None, threads: int = 2, warmup: int = 2, seed: int = 0, prompt_chars: int = 400,
-        overhead_repeats: int = 3, log=print) -> dict:
+        overhead_repeats: int = 3, shared_pool: bool = True, log=print) -> dict:
     """Every load for every speculation setting; the report (see the module doc)."""
     url = check_loopback(url)
     model = asyncio.run(_model(url))
@@ -377,7 +378,7 @@ def run(url: str, speculations: list, concurrency: list[int], rates: list[float]
                 if served is None:
                     served = asyncio.run(run_load(url, endpoint, model, prompts, max_tokens, spec, concurrency=1,
                                                   **common))
-                e = engine_baseline(engine_out_dir, prompts, max_tokens, spec, threads, ignore_eos)
+                e = engine_baseline(engine_out_dir, prompts, max_tokens, spec, threads, ignore_eos, shared_pool)
                 pairs.append({"server_tok_s": served["output_throughput"], "engine_tok_s": e["output_throughput"],
                               "ratio": served["output_throughput"] / e["output_throughput"]})
             e["pairs"] = pairs
@@ -412,6 +413,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-baseline", metavar="OUT_DIR",
                     help="also run the export on an in-process engine (default: not run)")
     ap.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads of --engine-baseline")
+    ap.add_argument("--baseline-pool", choices=["shared", "per-session"], default="shared",
+                    help="ONNX Runtime pools of --engine-baseline: shared, as the server's, or one per session")
     ap.add_argument("--overhead-repeats", type=int, default=3,
                     help="server/engine pairs at concurrency 1 for --engine-baseline (their median ratio)")
     ap.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
@@ -423,7 +426,8 @@ def main(argv=None) -> int:
     specs = [None if s == "default" else s for s in a.speculation]
     result = run(a.url, specs, a.concurrency, a.rate, a.rate_fraction, a.requests, a.max_tokens, a.endpoint,
                  a.prompts, a.max_duration, a.timeout, parse_slo(a.goodput), not a.keep_eos, a.engine_baseline,
-                 a.threads, seed=a.seed, prompt_chars=a.prompt_chars, overhead_repeats=a.overhead_repeats)
+                 a.threads, seed=a.seed, prompt_chars=a.prompt_chars, overhead_repeats=a.overhead_repeats,
+                 shared_pool=a.baseline_pool == "shared")
     print(_table(result["runs"]))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
