@@ -282,7 +282,8 @@ def test_load_generator(server, export_dir, tmp_path):
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
             assert set(r[key]) == {"mean", "median", "std", "p99"} and r[key]["median"] > 0
         assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["goodput"] > 0
-        assert (r["spec_decode"]["num_drafts"] == 0) == (r["speculation"] == "off")
+        if r["speculation"] == "off":  # (adaptive may have learned that this random drafter never pays)
+            assert r["spec_decode"]["num_drafts"] == 0 and r["spec_decode"]["mean_accepted_length"] == 1.0
     assert rep["engine_baseline"]["adaptive"]["server_overhead_ratio"] > 0
     assert len(rep["engine_baseline"]["off"]["pairs"]) == 2
     assert (tmp_path / "load.png").stat().st_size > 1000
