@@ -1,8 +1,8 @@
 """The engine's thread: the only one that touches the engine; asyncio handlers talk to it by commands.
 
-    worker = Worker(decoder, EngineConfig(max_batch=8, max_waiting=64), metrics)
+    worker = Worker(decoder, EngineConfig(max_batch=8), metrics, max_queue=64)
     worker.start()
-    handle = await worker.submit(ids, params, max_new=64)   # InputError / CapacityError from the engine
+    handle = await worker.submit(ids, params, max_new=64)   # InputError from the engine, CapacityError
     while (event := await handle.queue.get()).finish_reason is None: ...
     worker.cancel(handle.id)                                 # a client that left: freed within one step
 
