@@ -18,7 +18,7 @@ from exporter.cli import HelpFormatter
 from exporter.loading import UserError
 
 CLIS = ["exporter.export", "exporter.generate", "exporter.compare", "exporter.bench", "exporter.optimize",
-        "exporter.tune"]
+        "exporter.tune", "graphs.serve.__main__", "graphs.serve.loadgen"]
 
 
 class _ParsedError(Exception):

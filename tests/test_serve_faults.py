@@ -1,0 +1,296 @@
+"""The server under faults: it stays up, frees every row, and every request it accepted completes or
+ends with a clear error.
+
+Through a server on a loopback port (as test_serve): 100 of 200 streaming clients disconnecting at
+random points, a disconnect mid-stream through the openai client and one of a non-streamed request,
+malformed JSON, bodies over the size limit, a client that reads its stream very slowly. In-process
+(FastAPI's test client): /health 503 while loading, a failing engine step (a 500, or an error chunk
+and [DONE] in a stream; then the next request served by a rebuilt engine), the per-request deadline
+and the max_tokens ceiling, an export that cannot load. 4x more concurrent requests than the cap
+and a prompt over the context are in test_serve (test_overload_is_429_with_retry_after,
+test_prompt_over_the_context).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+from conftest import run_module
+from serve_helpers import Server, metric, with_chat_template
+
+for _name in ("fastapi", "uvicorn", "prometheus_client", "jinja2"):  # the serve extra (also in dev)
+    pytest.importorskip(_name)
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+PROMPT = "def main("
+
+
+@pytest.fixture(scope="module")
+def export_dir(exported, tmp_path_factory):
+    return with_chat_template(exported("medusa"), tmp_path_factory.mktemp("faults") / "tiny-medusa")
+
+
+@pytest.fixture(scope="module")
+def server(export_dir, tmp_path_factory):
+    with Server(export_dir, tmp_path_factory.mktemp("server"), "--max-running", "8", "--max-queue", "256",
+                "--max-body-bytes", "4096") as s:
+        yield s
+
+
+def _still_serves(server) -> None:
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_200_streams_half_of_them_disconnecting(server):
+    rng = random.Random(0)
+    plans = [{"max_tokens": rng.randint(4, 40), "leave_after": rng.randint(0, 6) if i % 2 else None}
+             for i in range(200)]
+    rng.shuffle(plans)
+
+    async def one(c, plan):
+        body = {"prompt": PROMPT, "max_tokens": plan["max_tokens"], "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        events = []
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if plan["leave_after"] is not None and len(events) > plan["leave_after"]:
+                    return None  # leaves: the context closes the connection mid-stream
+        return events
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=200, max_keepalive_connections=0)) as c:
+            return await asyncio.gather(*[one(c, p) for p in plans])
+
+    before = server.metrics()
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    stayed = [(p, ev) for p, ev in zip(plans, results) if p["leave_after"] is None]
+    assert len(stayed) == 100
+    for plan, events in stayed:
+        assert events[-1] == "data: [DONE]"
+        usage = json.loads(events[-2][6:])["usage"]
+        assert usage["completion_tokens"] == plan["max_tokens"]
+    health = server.wait_idle()
+    assert health["kv_allocated_bytes"] == 0 and health["engine_failures"] == 0
+    after = server.metrics()
+    name = "vllm:request_success_total"
+    aborted = metric(after, name, finished_reason="abort") - metric(before, name, finished_reason="abort")
+    finished = metric(after, name, finished_reason="length") - metric(before, name, finished_reason="length")
+    assert aborted + finished == 200 and 0 < aborted <= 100  # each left early, or after its last token
+    assert time.monotonic() - t0 < 120
+    _still_serves(server)
+
+
+def test_disconnect_mid_stream_frees_the_row(server):
+    before = metric(server.metrics(), "vllm:request_success_total", finished_reason="abort")
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as c:
+        stream = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPT, max_tokens=480, stream=True,
+                                      extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        assert server.health()["live"] >= 0
+        stream.close()
+        server.wait_idle(timeout=5)
+        assert metric(server.metrics(), "vllm:request_success_total", finished_reason="abort") == before + 1
+        r = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPT, max_tokens=6,
+                                 extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 6
+
+
+def test_a_non_streamed_client_that_leaves_frees_its_row(server):
+    before = metric(server.metrics(), "vllm:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True},
+                   timeout=0.1)
+    server.wait_idle(timeout=5)
+    assert metric(server.metrics(), "vllm:request_success_total", finished_reason="abort") == before + 1
+    _still_serves(server)
+
+
+@pytest.mark.parametrize("body", [b"{bad", b"[1, 2]", b"", b'{"prompt": "x", "max_tokens": 4', b"\xff\xfe{}",
+                                  b'"just a string"', b"null"])
+def test_malformed_json_is_a_400(server, body):
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=10)
+    assert r.status_code == 400
+
+
+def test_a_body_over_the_limit_is_a_413(server):
+    big = json.dumps({"prompt": "x" * 5000, "max_tokens": 4}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=big, timeout=10)
+    assert r.status_code == 413 and "over the limit of 4096" in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the limit is counted as the body arrives
+        for i in range(0, len(big), 1000):
+            yield big[i : i + 1000]
+
+    r = httpx.post(server.url + "/v1/completions", content=chunked(), timeout=10)
+    assert r.status_code == 413
+    _still_serves(server)
+
+
+def test_a_slow_reader_holds_no_row(server):
+    """A client reading its stream a few hundred bytes at a time: its request finishes in the engine
+    (the row freed) long before it has read its stream, others are served meanwhile, and it gets
+    every chunk and [DONE] in the end."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 120, "ignore_eos": True, "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect(("127.0.0.1", server.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    data = s.recv(256)
+    assert data.startswith(b"HTTP/1.1 200")
+    server.wait_idle(timeout=10)  # its tokens are all generated; most are still unread
+    _still_serves(server)
+    s.settimeout(10)
+    while True:
+        time.sleep(0.01)
+        piece = s.recv(512)
+        if not piece:
+            break
+        data += piece
+    s.close()
+    text = _dechunk(data.split(b"\r\n\r\n", 1)[1]).decode()
+    assert text.endswith("data: [DONE]\n\n")
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len("".join(c["choices"][0]["text"] for c in chunks)) > 0
+
+
+def _dechunk(raw: bytes) -> bytes:
+    """HTTP/1.1 chunked transfer coding, undone."""
+    out, i = b"", 0
+    while True:
+        j = raw.index(b"\r\n", i)
+        n = int(raw[i:j], 16)
+        if n == 0:
+            return out
+        out += raw[j + 2 : j + 2 + n]
+        i = j + 2 + n + 2
+
+
+def test_hostile_chat_messages_do_not_break_the_server(server):
+    for messages in ([{"role": "user", "content": "{{ 7 * 7 }}{% for x in range(9) %}"}],
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                     [{"role": "tool", "content": "x"}], [{"content": "no role"}], []):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 3}, timeout=10)
+        if messages and isinstance(messages[0].get("content"), str) and messages[0].get("role") == "user":
+            assert r.status_code == 200  # message text is data, never template code
+        else:
+            assert r.status_code == 400, r.text
+
+
+# ---------------------------------------------------------------------- in-process
+
+
+def _client(export_dir, **kw):
+    from starlette.testclient import TestClient
+
+    from graphs.serve import ServeConfig, create_app
+
+    # shared_pool=False: ONNX Runtime's shared pool is process-wide, and this process runs other tests
+    return TestClient(create_app(export_dir, ServeConfig(threads=1, shared_pool=False, **kw)))
+
+
+def test_health_is_503_while_loading(export_dir, monkeypatch):
+    from graphs.serve.app import ServerState
+
+    gate = threading.Event()
+    real = ServerState.load
+
+    def slow_load(self):
+        gate.wait(30)
+        real(self)
+
+    monkeypatch.setattr(ServerState, "load", slow_load)
+    with _client(export_dir) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        gate.set()
+        deadline = time.monotonic() + 30
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def _ready(c):
+    state = c.app.state.serve
+    deadline = time.monotonic() + 30
+    while state.status != "ready":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return state
+
+
+def _break(state):
+    def boom():
+        raise RuntimeError("injected fault")
+
+    state.worker.engine.step = boom
+    return state.worker.engine
+
+
+def test_a_failing_engine_step_is_a_500_then_the_engine_is_rebuilt(export_dir):
+    with _client(export_dir) as c:
+        state = _ready(c)
+        broken = _break(state)
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        assert state.worker.engine is not broken and state.worker.failures == 1
+        _break(state)
+        with c.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True}) as s:
+            lines = [x for x in s.iter_lines() if x]
+        assert s.status_code == 200 and lines[-1] == "data: [DONE]"  # a stream that fails says so, then ends
+        assert "injected fault" in json.loads(lines[-2][6:])["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert c.get("/health").json()["engine_failures"] == 2
+
+
+def test_deadline_and_max_tokens_ceiling(export_dir):
+    with _client(export_dir, request_timeout=0.1, max_tokens=480) as c:
+        _ready(c)
+        t0 = time.monotonic()
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True})
+        body = r.json()
+        assert r.status_code == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] < 480 and time.monotonic() - t0 < 5  # cut by the deadline
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 481})
+        assert r.status_code == 400 and "ceiling of 480" in r.json()["error"]["message"]
+    with _client(export_dir, max_tokens=7) as c:
+        _ready(c)
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "ignore_eos": True})  # no max_tokens: the ceiling
+        assert r.json()["usage"]["completion_tokens"] == 7
+
+
+def test_an_export_that_cannot_load(tmp_path):
+    with _client(tmp_path / "missing") as c:
+        deadline = time.monotonic() + 30
+        while c.get("/health").json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "failed" and "missing" in r.json()["error"]
+    proc = run_module("graphs.serve", tmp_path / "missing", "--port", "0", timeout=60)
+    assert proc.returncode == 2 and "error: cannot serve" in proc.stderr
