@@ -191,7 +191,8 @@ class Engine:
                 raise InputError(f"deadline_s must be a number > 0, got {deadline_s!r}")
             req.deadline = time.perf_counter() + float(deadline_s)
         with self._in_lock:
-            waiting = len(self._waiting) + len(self._incoming)
+            # requests that will find a free row at the next step's admission do not wait
+            waiting = len(self._waiting) + len(self._incoming) - max(self.config.max_batch - len(self._rows), 0)
             if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
                 raise CapacityError(f"{waiting} requests already wait for a row (max_waiting "
                                     f"{self.config.max_waiting}); retry later")
