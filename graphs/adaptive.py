@@ -32,7 +32,7 @@ Trees only change *which* candidates are verified, never the acceptance rule: gr
 base's greedy output, and lossless sampling stays lossless (the tree is chosen before the step's
 random draws).
 
-A new request's gains start from the mean that finished requests of the same setting (tree,
+A new request's gains start from the mean that earlier requests of the same setting (tree,
 sampling) measured (:meth:`Planner.prior`); costs are the machine's and carry from one engine to the next
 (:meth:`Planner.carry`).
 """
@@ -65,9 +65,14 @@ class AdaptiveConfig:
     """Plain steps before a full tree is tried again (the first wait)."""
     max_probe_every: int = 64
     """The longest wait between probes while speculation keeps losing."""
+    recheck_every: int = 8
+    """While the batch steps plain and its rows do not change, decide again only every this many
+    steps (gains change only on drafted steps; costs drift slowly): a plain step then costs the
+    host about what an autoregressive one does."""
 
     def __post_init__(self):
-        if not 0 < self.ema <= 1 or self.margin <= 0 or not 1 <= self.probe_every <= self.max_probe_every:
+        if (not 0 < self.ema <= 1 or self.margin <= 0 or not 1 <= self.probe_every <= self.max_probe_every
+                or self.recheck_every < 1):
             raise ValueError(f"AdaptiveConfig: bad values {self}")
 
 
@@ -167,10 +172,19 @@ class RowGains:
         return g[:n]
 
     def predicted(self) -> np.ndarray:
-        """(T,) gains with the never-observed sizes assumed fully accepted (optimistic: they get tried)."""
+        """(T,) gains for every size. Sizes past the known prefix grow by its last increment (a tree
+        cut to n nodes tells nothing about n + 1, and guessing "all accepted" there made every cut
+        look like a bargain); with nothing known past a plain step, every size is assumed fully
+        accepted (optimistic, so it gets measured)."""
         g = self.gain.copy()
         unknown = np.isnan(g)
-        g[unknown] = np.arange(1, self.t + 1)[unknown]
+        if unknown.any():
+            k = int(np.argmax(unknown))  # sizes 1..k are known
+            if k >= 2:
+                step = max(g[k - 1] - g[k - 2], 0.0)
+                g[k:] = g[k - 1] + step * np.arange(1, self.t - k + 1)
+            else:
+                g[unknown] = np.arange(1, self.t + 1)[unknown]
         return np.maximum.accumulate(g)  # a larger tree never emits fewer tokens
 
 
@@ -179,6 +193,7 @@ class Costs:
 
     def __init__(self, ema: float = 0.15):
         self.ema = ema
+        self._sorted: dict[int, tuple] = {}  # id(table) -> (xs, monotone ys), rebuilt after a change
         self.verify: dict[int, float] = {}  # token rows (batch x width) -> seconds
         self.draft: dict[int, float] = {}  # batch rows -> seconds of drafting per drafted step
         self.host_plain: dict[int, float] = {}  # batch rows -> host seconds per plain step (outside graph calls)
@@ -187,6 +202,7 @@ class Costs:
     def _avg(self, table: dict, key: int, value: float) -> None:
         old = table.get(key)
         table[key] = value if old is None else (1 - self.ema) * old + self.ema * value
+        self._sorted.pop(id(table), None)
 
     def add_verify(self, tokens: int, seconds: float) -> None:
         self._avg(self.verify, int(tokens), float(seconds))
@@ -204,17 +220,21 @@ class Costs:
         table = self.host_spec if drafted else self.host_plain
         return self._estimate(table, rows) if table else 0.0
 
-    @staticmethod
-    def _estimate(table: dict, x):
+    def _estimate(self, table: dict, x):
         """Measured, else linear between measured points; past the largest, proportional to it (a
         larger call is compute-bound: pessimistic until measured); below the smallest, the smallest.
         ``x``: a number or an array of them."""
         if not table:
             return np.full(np.shape(x), np.nan) if np.ndim(x) else np.nan
-        xs = np.fromiter(table, dtype=np.float64, count=len(table))
-        order = np.argsort(xs)
-        xs = xs[order]
-        ys = np.fromiter(table.values(), dtype=np.float64, count=len(table))[order]
+        cached = self._sorted.get(id(table))
+        if cached is None:
+            xs = np.fromiter(table, dtype=np.float64, count=len(table))
+            order = np.argsort(xs)
+            xs = xs[order]
+            ys = np.fromiter(table.values(), dtype=np.float64, count=len(table))[order]
+            ys = np.maximum.accumulate(ys)  # a call over more rows never costs less (noise can say it does)
+            cached = self._sorted[id(table)] = (xs, ys)
+        xs, ys = cached
         x = np.asarray(x, dtype=np.float64)
         out = np.where(x > xs[-1], ys[-1] * x / xs[-1], np.interp(x, xs, ys))
         return float(out) if out.ndim == 0 else out
@@ -227,7 +247,7 @@ class Costs:
 
     def copy(self) -> Costs:
         c = Costs(self.ema)
-        c.verify, c.draft = dict(self.verify), dict(self.draft)
+        c.verify, c.draft = dict(self.verify), dict(self.draft)  # (new tables: nothing cached for them)
         c.host_plain, c.host_spec = dict(self.host_plain), dict(self.host_spec)
         return c
 
@@ -243,6 +263,8 @@ class Planner:
         self.probing = False  # the last step was a probe
         self.last_width = 1
         self.history: list[int] = []  # the width of every planned step (for stats and tests)
+        self._reuse = 0  # plain steps left that reuse the last plain decision without deciding
+        self._reused_for = None  # (modes, full) that decision was made for
         self._priors: dict = priors if priors is not None else {}  # setting -> (mean gains (T,), observations)
 
     # ---------------------------------------------------------------- carry
@@ -261,8 +283,8 @@ class Planner:
         return None if got is None else got[0].copy()
 
     def learn(self, key, gains: np.ndarray) -> None:
-        """Fold one finished request's gains (a prefix of sizes) into the setting's long-run mean (a
-        plain mean of the first 50 requests, then a slow average)."""
+        """Fold one drafted step's gains (a prefix of sizes) into the setting's long-run mean (a plain
+        mean of the first 50 observations, then a slow average)."""
         mean, n = self._priors.get(key, (np.full(gains.shape[0], np.nan), 0))
         if mean.shape[0] < gains.shape[0]:
             mean = np.concatenate([mean, np.full(gains.shape[0] - mean.shape[0], np.nan)])
@@ -288,8 +310,19 @@ class Planner:
         """(B,) nodes each row verifies next step (0 for an idle row, 1 for a plain one).
 
         ``modes`` (B,): IDLE / SPEC_OFF / SPEC_ON / SPEC_ADAPTIVE; ``full`` (B,): each row's full tree
-        size; ``gains``: per row, its :meth:`RowGains.predicted` (SPEC_ON and SPEC_ADAPTIVE rows)."""
-        width = self._width(np.asarray(modes), np.asarray(full), gains)
+        size; ``gains``: per row, its :meth:`RowGains.predicted` (SPEC_ON and SPEC_ADAPTIVE rows), or a
+        callable returning that list (called only when a decision is made)."""
+        modes, full = np.asarray(modes), np.asarray(full)
+        key = (modes.tobytes(), full.tobytes())
+        if self._reuse > 0 and key == self._reused_for and self.plain_run < self.wait:
+            self._reuse -= 1  # plain lately, the same rows: only the probe counter moves
+            self.plain_run += 1
+            width = 1
+        else:
+            width = self._width(modes, full, gains() if callable(gains) else gains)
+            self._reuse, self._reused_for = 0, None
+            if width == 1 and (modes == SPEC_ADAPTIVE).any() and self.plain_run > 0:
+                self._reuse, self._reused_for = self.cfg.recheck_every - 1, key
         self.history.append(width)
         self.last_width = width
         sizes = np.where(modes == SPEC_ADAPTIVE, np.minimum(width, full), 1)

@@ -373,8 +373,8 @@ class Engine:
         if any(r is not None and r.speculation != "off" for r in live):
             modes = np.array([IDLE if r is None else _MODES[r.speculation] for r in live])
             full = np.array([1 if r is None else r.tree_size for r in live], dtype=np.int64)
-            gains = [None if r is None or r.gains is None else r.gains.predicted() for r in live]
-            sizes = self.planner.plan(modes, full, gains)
+            sizes = self.planner.plan(modes, full, lambda: [None if r is None or r.gains is None
+                                                            else r.gains.predicted() for r in live])
         else:  # nobody may speculate: nothing to decide
             sizes = np.array([0 if r is None else 1 for r in live], dtype=np.int64)
         drafted = bool((sizes > 1).any())
@@ -449,7 +449,9 @@ class Engine:
                     for k in range(len(a) - 1):
                         s_.accepted_per_pos[k] += 1
                 if req.gains is not None and adaptive:  # (gains only matter where a width is chosen)
-                    req.gains.observe(tree, a)
+                    # the setting's mean learns from every drafted step (new requests start from it
+                    # at once, not after the first ones finish: a cold setting costs fewer probes)
+                    self.planner.learn(req.prior_key, req.gains.observe(tree, a))
             else:
                 st.plain_steps += 1
             st.accepted.append(len(a))
@@ -513,8 +515,6 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.done = reason
-        if req.gains is not None and req.gains.observed > 1:  # what it measured seeds the next requests
-            self.planner.learn(req.prior_key, req.gains.gain[: req.gains.observed])
         st = req.stats
         st.new_tokens = len(req.tokens)
         st.time_total = time.perf_counter() - req.t_added

@@ -194,3 +194,20 @@ def test_verify_cost_estimates_interpolate_and_extrapolate():
     assert np.allclose(c.verify_cost(np.array([2, 6, 20])), [1.0, 2.0, 6.0])
     c.add_verify(2, 2.0)  # an average, weighted ema to the newest
     assert c.verify[2] == pytest.approx(0.85 * 1.0 + 0.15 * 2.0)
+
+
+def test_unobserved_sizes_grow_by_the_last_measured_increment():
+    g = RowGains(6)
+    assert g.predicted().tolist() == [1, 2, 3, 4, 5, 6]  # nothing known: optimistic, so it is measured
+    g.observe(Tree.from_parents([-1, 0, 1], score=np.array([0.0, -1, -2])), [0, 1])  # a 3-node cut: gains 1, 2, 2
+    assert g.predicted().tolist() == [1, 2, 2, 2, 2, 2]  # the tail adds what the last node added: nothing
+    g = RowGains(5, prior=np.array([1.0, 1.5, 1.75]))
+    assert g.predicted().tolist() == [1.0, 1.5, 1.75, 2.0, 2.25]
+
+
+def test_a_noisy_cost_table_never_makes_a_wider_call_cheaper():
+    c = Costs()
+    for tokens, t in ((8, 6.8), (16, 5.8), (64, 9.9)):
+        c.add_verify(tokens, t)
+    assert c.verify_cost(16) == pytest.approx(6.8)  # not 5.8: 16 token rows cost at least what 8 did
+    assert c.verify_cost(12) == pytest.approx(6.8)
