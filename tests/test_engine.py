@@ -230,9 +230,10 @@ def test_deadline_and_admission_limits(trained):  # noqa: F811
     t = trained("medusa")
     dec = graphs.load(t.out_dir, provider="cpu", threads=1)
     engine = dec.engine(EngineConfig(max_batch=1, max_waiting=1, max_len=32))
-    engine.add_request(PROMPTS[0], max_new_tokens=5)
+    engine.add_request(PROMPTS[0], max_new_tokens=5)  # takes the free row at the next step
+    engine.add_request(PROMPTS[1], max_new_tokens=5)  # waits: one may
     with pytest.raises(CapacityError, match="max_waiting"):
-        engine.add_request(PROMPTS[1])
+        engine.add_request(PROMPTS[2])
     with pytest.raises(InputError, match="max_len of 32"):
         dec.engine(EngineConfig(max_len=32)).add_request(list(range(3, 40)))
     with pytest.raises(InputError, match="unknown speculation"):
