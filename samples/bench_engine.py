@@ -111,17 +111,45 @@ def run_load(dec, prompts: list[list[int]], mode: str, max_new: int, concurrency
     tpot = np.array([(lat[i] - ttft[i]) / (outs[i] - 1) for i in range(len(outs)) if outs[i] > 1])
     graph = tot.time_prefill + tot.time_draft + tot.time_verify
 
-    def stats(x):
-        return {"mean": float(np.mean(x)), "median": float(np.median(x)), "p99": float(np.percentile(x, 99))}
+    return {"n": n, "wall": wall, "ttft": ttft, "lat": lat, "outs": outs, "tpot": tpot, "graph": graph,
+            "accepted": list(tot.accepted), "steps": tot.steps, "plain_steps": tot.plain_steps,
+            "tokens": {int(index[r]): tokens[r] for r in done_at}}
 
+
+def _stats(x):
+    return {"mean": float(np.mean(x)), "median": float(np.median(x)), "p99": float(np.percentile(x, 99))}
+
+
+def summarize(parts: list[dict], offset: list[int]) -> dict:
+    """The metrics of one setting over its rounds (each round a part of the requests)."""
+    cat = lambda k: np.concatenate([p[k] for p in parts])
+    wall = sum(p["wall"] for p in parts)
+    outs, acc = cat("outs"), [a for p in parts for a in p["accepted"]]
     return {
-        "requests": n, "wall_s": wall, "output_tokens": int(outs.sum()),
-        "output_tokens_per_s": float(outs.sum() / wall), "request_throughput": n / wall,
-        "ttft_s": stats(ttft), "tpot_s": stats(tpot), "e2e_latency_s": stats(lat),
-        "mean_accepted_length": tot.mean_accepted_length, "steps": tot.steps, "plain_steps": tot.plain_steps,
-        "host_share": max(0.0, 1 - graph / wall),
-        "tokens": {int(index[r]): tokens[r] for r in done_at},
+        "requests": sum(p["n"] for p in parts), "wall_s": wall, "output_tokens": int(outs.sum()),
+        "output_tokens_per_s": float(outs.sum() / wall), "request_throughput": sum(p["n"] for p in parts) / wall,
+        "ttft_s": _stats(cat("ttft")), "tpot_s": _stats(cat("tpot")), "e2e_latency_s": _stats(cat("lat")),
+        "mean_accepted_length": float(np.mean(acc)) if acc else 0.0,
+        "steps": sum(p["steps"] for p in parts), "plain_steps": sum(p["plain_steps"] for p in parts),
+        "host_share": max(0.0, 1 - sum(p["graph"] for p in parts) / wall),
+        "tokens": {o + i: t for p, o in zip(parts, offset) for i, t in p["tokens"].items()},
     }
+
+
+def run_cell(dec, prompts, max_new: int, rounds: int, **load) -> dict:
+    """Every setting on the same requests, in ``rounds`` interleaved rounds (off, on, adaptive, off,
+    ...: a machine whose load drifts hits all three alike)."""
+    chunks = [list(range(len(prompts)))[k::rounds] for k in range(rounds)]
+    parts: dict[str, list] = {m: [] for m in MODES}
+    for chunk in chunks:
+        for mode in MODES:
+            parts[mode].append(run_load(dec, [prompts[i] for i in chunk], mode, max_new, **load))
+    out = {}
+    for mode in MODES:  # request i of a chunk is prompt chunk[i]: re-key the tokens by prompt index
+        s = summarize(parts[mode], [0] * rounds)
+        s["tokens"] = {chunk[i]: t for chunk, p in zip(chunks, parts[mode]) for i, t in p["tokens"].items()}
+        out[mode] = s
+    return out
 
 
 def bench_export(path: str, args) -> dict:
@@ -137,10 +165,8 @@ def bench_export(path: str, args) -> dict:
             run_load(dec, prompts[:4], mode, 16, concurrency=2)
         res = {"closed": {}, "poisson": {}}
         for c in args.concurrency:
-            cell = {}
+            cell = run_cell(dec, prompts, args.max_new_tokens, args.rounds, concurrency=c, temperature=temperature)
             for mode in MODES:
-                cell[mode] = run_load(dec, prompts, mode, args.max_new_tokens, concurrency=c,
-                                      temperature=temperature)
                 m = cell[mode]
                 print(f"{Path(path).name} {name} c={c} {mode}: {m['output_tokens_per_s']:.0f} tok/s, "
                       f"TPOT {1000 * m['tpot_s']['median']:.2f} ms, tau {m['mean_accepted_length']:.2f}", flush=True)
@@ -149,10 +175,8 @@ def bench_export(path: str, args) -> dict:
             res["closed"][c] = cell
         top = res["closed"][max(args.concurrency)]["off"]["request_throughput"]
         for frac in args.poisson:
-            cell = {}
+            cell = run_cell(dec, prompts, args.max_new_tokens, args.rounds, rate=frac * top, temperature=temperature)
             for mode in MODES:
-                cell[mode] = run_load(dec, prompts, mode, args.max_new_tokens, rate=frac * top,
-                                      temperature=temperature)
                 print(f"{Path(path).name} {name} poisson {frac:g}x ({frac * top:.2f} req/s) {mode}: "
                       f"{cell[mode]['output_tokens_per_s']:.0f} tok/s, TTFT {cell[mode]['ttft_s']['median']:.3f} s",
                       flush=True)
@@ -237,6 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--poisson", type=float, nargs="*", default=[0.7],
                     help="Poisson rates as fractions of speculation-off's request throughput at the top concurrency")
     ap.add_argument("--requests", type=int, default=32, help="requests per load")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="interleaved rounds per load (the requests split between them; settings alternate)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per request")
     ap.add_argument("--sets", nargs="+", default=["code", "ood", "code@0.8"],
                     help="prompt sets: code or ood, greedy, or sampled at a temperature with @T (code@0.8)")
@@ -251,6 +277,7 @@ def main(argv=None) -> int:
     if max(args.concurrency) > 16:
         ap.error("--concurrency above 16 needs a larger engine (max_batch 16 here)")
     result = {"threads": args.threads, "max_new_tokens": args.max_new_tokens, "requests": args.requests,
+              "rounds": args.rounds,
               "concurrency": args.concurrency, "exports": [bench_export(p, args) for p in args.exports]}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
