@@ -448,7 +448,9 @@ class Engine:
                         s_.accepted_per_pos += [0] * (len(a) - 1 - len(s_.accepted_per_pos))
                     for k in range(len(a) - 1):
                         s_.accepted_per_pos[k] += 1
-                if req.gains is not None and adaptive:  # (gains only matter where a width is chosen)
+                if self.planner.fast and len(a) == 1:  # a reused full-tree window, wholly rejected
+                    self.planner.end_fast()
+                if req.gains is not None and adaptive and not self.planner.fast:  # (only where a width is chosen)
                     # the setting's mean learns from every drafted step (new requests start from it
                     # at once, not after the first ones finish: a cold setting costs fewer probes)
                     self.planner.learn(req.prior_key, req.gains.observe(tree, a))
