@@ -79,7 +79,7 @@ def main(argv=None) -> int:
 
         for flag, path in (("--json", args.json), ("--png", args.png)):
             if path:
-                check_writable(path, flag)
+                check_writable(path, flag, args.out_dir, args.model_dir, args.draft_model)
         if args.png:  # say so before the run, not after it
             require_module("matplotlib", "--png", "'specexport[plot]' (or matplotlib)")
         if args.variants:

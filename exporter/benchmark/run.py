@@ -66,16 +66,12 @@ class BenchOptions:
                       f"peers: {', '.join(PEERS)}")
 
 
-def check_writable(path, flag: str) -> None:
-    """Fail before the run, not after it, if a report cannot be written where asked."""
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"{flag} {p} is a directory; give a file name")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise UserError(f"{flag} {p}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise UserError(f"{flag} {p} is not writable; check its permissions")
+def check_writable(path, flag: str, *reads) -> None:
+    """Fail before the run, not after it, if a report cannot be written where asked (or would land
+    inside a directory the run reads): :func:`exporter.cli.check_output`."""
+    from exporter.cli import check_output
+
+    check_output(path, flag, *reads)
 
 
 def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> list[S.System]:

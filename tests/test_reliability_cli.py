@@ -1,0 +1,88 @@
+"""Issue 19, the command lines: bad input refused before any work, with one line naming the fix.
+
+Every CLI that reads an export (generate, compare, bench, tune, optimize) refuses a ``--json`` /
+``--png`` inside a directory it reads (the export, the model directory): ``generate OUT --json
+OUT/manifest.json`` used to exit 0 and destroy the export. The work itself is replaced by a hook that
+fails the test, so "before any work" is what is checked, and the export's bytes are compared after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import shutil
+
+import pytest
+from helpers import one_line
+
+
+def _digest(d):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _no_work(*a, **k):
+    raise AssertionError("the work started before the output path was checked")
+
+
+# (cli module, attribute holding its work, extra args before the flag)
+WORK = {
+    "exporter.generate": ("graphs", "load", ["--prompt", "hi"]),
+    "exporter.compare": ("exporter.compare", "compare", []),
+    "exporter.tune": ("exporter.tune", "tune", []),
+    "exporter.optimize": ("exporter.optimize", "optimize_export", []),
+    "exporter.bench": ("exporter.bench", "bench", []),
+}
+
+
+@pytest.fixture
+def out(exported, tmp_path):
+    d = tmp_path / "out"
+    shutil.copytree(exported("medusa"), d)
+    return d
+
+
+@pytest.mark.parametrize("cli", sorted(WORK))
+@pytest.mark.parametrize("inside", ["manifest.json", "new.json", "link/manifest.json"])
+def test_json_inside_the_export_is_refused_before_any_work(cli, inside, out, tiny_model_dir, tmp_path,
+                                                           monkeypatch, capsys):
+    """``--json OUT/manifest.json`` (or any new file in OUT, or through a symlink to OUT): refused."""
+    (tmp_path / "link").symlink_to(out)
+    mod_name, attr, extra = WORK[cli]
+    monkeypatch.setattr(importlib.import_module(mod_name), attr, _no_work)
+    before = _digest(out)
+    target = (tmp_path if inside.startswith("link") else out) / inside
+    args = [str(out), *extra, "--json", str(target)]
+    if cli == "exporter.compare":
+        args = [str(tiny_model_dir("medusa")), *args]
+    rc = importlib.import_module(cli).main(args)
+    one_line(rc, capsys.readouterr().err, "--json", "which this command reads", "outside it")
+    assert _digest(out) == before and not (out / "new.json").exists()
+
+
+@pytest.mark.parametrize("cli", ["exporter.compare", "exporter.bench"])
+def test_json_inside_the_model_dir_is_refused(cli, out, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("medusa"), model)
+    mod_name, attr, _ = WORK[cli]
+    monkeypatch.setattr(importlib.import_module(mod_name), attr, _no_work)
+    args = [str(out), "--model-dir", str(model)] if cli == "exporter.bench" else [str(model), str(out)]
+    rc = importlib.import_module(cli).main([*args, "--json", str(model / "config.json")])
+    one_line(rc, capsys.readouterr().err, f"inside {model}")
+
+
+def test_png_inside_the_export_is_refused(out, monkeypatch, capsys):
+    import exporter.bench as b
+
+    monkeypatch.setattr(b, "bench", _no_work)
+    one_line(b.main([str(out), "--png", str(out / "r.png")]), capsys.readouterr().err, "--png", "outside it")
+
+
+@pytest.mark.parametrize("cli", sorted(WORK))
+def test_json_in_a_missing_directory_fails_before_the_run(cli, out, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Issue 19 (unclear messages): ``--json /nonexistent/x.json`` failed only after the run."""
+    mod_name, attr, extra = WORK[cli]
+    monkeypatch.setattr(importlib.import_module(mod_name), attr, _no_work)
+    args = [str(out), *extra, "--json", str(tmp_path / "nonexistent" / "x.json")]
+    if cli == "exporter.compare":
+        args = [str(tiny_model_dir("medusa")), *args]
+    one_line(importlib.import_module(cli).main(args), capsys.readouterr().err, "does not exist")
