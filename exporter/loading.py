@@ -70,9 +70,10 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
         get_arch(config)
     except ValueError as e:
         raise UserError(f"{model_dir}: {e}") from None
-    from exporter.inputs import check_rope
+    from exporter.inputs import check_checkpoint_layers, check_rope
 
     check_rope(config, model_dir)
+    check_checkpoint_layers(config, model_dir)
     if drafter is not None and getattr(config, "speculative_decoding", None):
         raise UserError(f"{model_dir} already holds a drafter; drop --drafter or export the plain base")
     enable_huggingface_checkpointing()
