@@ -96,6 +96,16 @@ class ExportOptions:
         check_opset(self.opset)
 
 
+def check_dtype(dtype) -> None:
+    """``--dtype`` must be one the runtime can feed: bfloat16 graphs traced, hashed and validated (on a
+    GPU) would then be refused by ``graphs.load``, so they are refused here, before any work."""
+    from exporter import plan
+
+    if dtype in plan.DTYPES and dtype not in plan.RUNTIME_DTYPES:  # unknown ones: ExportOptions says so
+        raise UserError(f"--dtype {dtype}: the runtime (graphs.load) cannot feed {dtype} graphs (numpy has no "
+                        f"{dtype}); export with --dtype float16 (GPUs) or float32")
+
+
 def export(model_dir, out_dir, *, drafter=None, dtype: str = "float32", overwrite: bool = False, opset: int = OPSET,
            validate: bool = True, trust_remote_code: bool = False, eagle_trees=None, log=print,
            overwrite_non_export: bool = False, external_data_bytes: int | None = None,
@@ -107,6 +117,7 @@ def export(model_dir, out_dir, *, drafter=None, dtype: str = "float32", overwrit
     ``optimize``: then :func:`optimize_export` with these keywords, a step of its own (the export is
     complete and valid whatever happens there).
     """
+    check_dtype(dtype)
     opts = ExportOptions(drafter=drafter, dtype=dtype, opset=opset, validate=validate,
                          trust_remote_code=trust_remote_code,
                          eagle_trees=None if eagle_trees is None else tuple(map(tuple, eagle_trees)),

@@ -29,7 +29,9 @@ from graphs.manifest import Manifest
 from graphs.trees import DEFAULT_EAGLE_TREE
 
 OPSET = 17
-DTYPES = ("float32", "float16", "bfloat16")  # export --dtype
+DTYPES = ("float32", "float16", "bfloat16")  # what the tracer can write
+# what graphs.load can feed (numpy has no bfloat16): export refuses the others at once, naming the fix
+RUNTIME_DTYPES = ("float32", "float16")
 # graph dtype -> ONNX TensorProto element type (onnx.TensorProto.FLOAT = 1, ...): the one map
 ONNX_DTYPES = {"float32": 1, "uint8": 2, "int8": 3, "int32": 6, "int64": 7, "bool": 9, "float16": 10, "bfloat16": 16}
 
