@@ -301,3 +301,21 @@ def test_symlinked_additional_chat_templates(tiny_model_dir, tmp_path, capsys, n
     (d / "additional_chat_templates").symlink_to(elsewhere)
     rc, err = run_main(capsys, d, tmp_path / "onnx")
     one_line(rc, err, "additional_chat_templates is a symlink to", "outside", "copy the directory")
+
+
+def test_absurd_eagle_tree_fails_before_loading(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """``--eagle-trees 64,64,100000`` tried to allocate 20 GB; now the node bound refuses it at parse time."""
+    import exporter.loading
+
+    monkeypatch.setattr(exporter.loading, "load", lambda *a, **k: pytest.fail("loaded before the tree check"))
+    rc, err = run_main(capsys, tiny_model_dir("eagle"), tmp_path / "onnx", "--eagle-trees", "64,64,100000")
+    one_line(rc, err, "--eagle-trees", "total_tokens 100000 is over the 4096-node bound", "use a smaller tree")
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_eagle_tree_longer_than_the_context_is_refused_before_tracing():
+    from exporter.plan import check_tree
+
+    with pytest.raises(UserError, match="does not fit the model's context of 512 positions"):
+        check_tree(64, 64, 600, max_positions=512)
+    check_tree(64, 64, 500, max_positions=512)
