@@ -312,7 +312,14 @@ def tune_export(out_dir, prompts: list[str] | None = None, provider: str = "cpu"
 
     out_dir = Path(out_dir).absolute()
     t_start = time.perf_counter()
-    _read_export(out_dir)
+    first = _read_export(out_dir)
+    if prompts is not None:
+        prompts = list(prompts)
+        if not any(isinstance(p, str) and p.strip() for p in prompts):
+            raise UserError("the tune prompts are all empty; give at least one non-empty prompt (or none, for the "
+                            "built-in set)")
+    if model_dir is not None:
+        _check_bake_source(first, out_dir, Path(model_dir))
     writer = OutDir(out_dir, update=True)
     with signals_as_interrupt():
         tmp = writer.open()
@@ -323,7 +330,7 @@ def tune_export(out_dir, prompts: list[str] | None = None, provider: str = "cpu"
             dec = graphs.load(out_dir, provider=provider, threads=threads, adaptive=False)
             if not dec.kind:
                 raise UserError(f"{out_dir} has no drafter: there is no tree to tune")
-            ids = [dec.encode(p) for p in (prompts or TUNE_PROMPTS)]
+            ids = [dec.encode(p) for p in (TUNE_PROMPTS if prompts is None else prompts) if p.strip()]
             report = tuning.choose_tree(dec, ids, out_dir=out_dir, threads=threads, budget_s=budget_s,
                                         can_bake=model_dir is not None, max_new_tokens=max_new_tokens, log=log)
             writer.checkpoint("measured")
@@ -351,6 +358,38 @@ def tune_export(out_dir, prompts: list[str] | None = None, provider: str = "cpu"
         f"{tuned['measured_tokens_per_s']:.0f} tok/s (autoregressive {report['autoregressive']['tokens_per_s']:.0f});"
         f" written to {out_dir / MANIFEST}", flush=True)
     return report
+
+
+def _check_bake_source(manifest: Manifest, out_dir: Path, model_dir: Path) -> None:
+    """``tune --model-dir``, checked before the tuning run (it used to fail after it): the export must have
+    an EAGLE drafter (only EAGLE trees are baked) and ``model_dir`` must hold the same kind of drafter
+    and base sizes as the export's manifest records."""
+    import json
+
+    kind = (manifest.drafter or {}).get("kind")
+    if kind != "eagle":
+        raise UserError(f"--model-dir bakes EAGLE trees, but {out_dir} has {'a ' + kind if kind else 'no'} drafter; "
+                        f"drop --model-dir")
+    cfg_path = model_dir / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_bytes())
+    except FileNotFoundError:
+        raise UserError(f"--model-dir {model_dir} has no config.json; pass the model directory {out_dir} was "
+                        f"exported from") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model-dir {model_dir}: cannot read config.json ({e}); pass the model directory "
+                        f"{out_dir} was exported from") from None
+    spec = cfg.get("speculative_decoding") if isinstance(cfg, dict) else None
+    mode = spec.get("mode") if isinstance(spec, dict) else None
+    if mode != kind:
+        raise UserError(f"--model-dir {model_dir} holds {'a ' + mode if mode else 'no'} drafter, but {out_dir} has "
+                        f"an {kind} drafter; pass the model directory {out_dir} was exported from")
+    src = manifest.source or {}
+    for key, cfg_key in (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"),
+                         ("vocab_size", "vocab_size")):
+        if key in src and cfg_key in cfg and cfg[cfg_key] != src[key]:
+            raise UserError(f"--model-dir {model_dir} is not the model exported to {out_dir} ({cfg_key} "
+                            f"{cfg[cfg_key]} vs {src[key]}); pass the model directory it was exported from")
 
 
 def _bake_tree(tmp: Path, manifest: Manifest, out_dir: Path, model_dir, cfg: tuple[int, int, int], log) -> str:

@@ -48,7 +48,7 @@ def read_prompt_file(path, flag: str = "--prompts-file") -> list[dict]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{flag} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise UserError(f"{flag} {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     if text.lstrip().startswith("["):
         try:
             data = json.loads(text)

@@ -86,3 +86,54 @@ def test_json_in_a_missing_directory_fails_before_the_run(cli, out, tiny_model_d
     if cli == "exporter.compare":
         args = [str(tiny_model_dir("medusa")), *args]
     one_line(importlib.import_module(cli).main(args), capsys.readouterr().err, "does not exist")
+
+
+# ----------------------------------------------------------------------------- tune
+
+
+@pytest.fixture
+def no_tuning(monkeypatch):
+    import exporter.tuning
+
+    monkeypatch.setattr(exporter.tuning, "choose_tree", _no_work)
+
+
+@pytest.mark.parametrize("content", ['["  ", "\\t"]', "[]", "\n  \n\t\n"])
+def test_tune_with_only_empty_prompts_is_an_error(exported, tmp_path, capsys, no_tuning, content):
+    """Only empty prompts silently tuned on the built-in prompts and wrote the result to the manifest."""
+    import exporter.tune
+
+    out = exported("medusa")
+    before = _digest(out)
+    f = tmp_path / "p.json"
+    f.write_text(content)
+    line = one_line(exporter.tune.main([str(out), "--prompts", str(f)]), capsys.readouterr().err)
+    assert "no prompts" in line or "all empty" in line, line
+    assert _digest(out) == before
+
+
+def test_tune_library_call_with_empty_prompts_is_an_error(exported, no_tuning):
+    from exporter.loading import UserError
+    from exporter.pipeline import tune_export
+
+    with pytest.raises(UserError, match="all empty"):
+        tune_export(exported("medusa"), prompts=["", " "])
+
+
+def test_tune_prompts_file_not_utf8(exported, tmp_path, capsys, no_tuning):
+    import exporter.tune
+
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"def main(\n\xff\xfe caf\xe9\n")
+    one_line(exporter.tune.main([str(exported("medusa")), "--prompts", str(f)]), capsys.readouterr().err,
+             "is not UTF-8 text", "save it as UTF-8")
+
+
+def test_tune_model_dir_of_the_wrong_kind_is_checked_first(exported, tiny_model_dir, capsys, no_tuning):
+    """``tune --model-dir`` with the wrong drafter failed only after the whole tuning run."""
+    import exporter.tune
+
+    rc = exporter.tune.main([str(exported("eagle")), "--model-dir", str(tiny_model_dir("medusa"))])
+    one_line(rc, capsys.readouterr().err, "holds a medusa drafter", "an eagle drafter", "exported from")
+    rc = exporter.tune.main([str(exported("medusa")), "--model-dir", str(tiny_model_dir("medusa"))])
+    one_line(rc, capsys.readouterr().err, "bakes EAGLE trees", "has a medusa drafter", "drop --model-dir")
