@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import shutil
+from pathlib import Path
 
 import pytest
 from helpers import one_line
@@ -137,3 +138,78 @@ def test_tune_model_dir_of_the_wrong_kind_is_checked_first(exported, tiny_model_
     one_line(rc, capsys.readouterr().err, "holds a medusa drafter", "an eagle drafter", "exported from")
     rc = exporter.tune.main([str(exported("medusa")), "--model-dir", str(tiny_model_dir("medusa"))])
     one_line(rc, capsys.readouterr().err, "bakes EAGLE trees", "has a medusa drafter", "drop --model-dir")
+
+
+# ----------------------------------------------------------------------------- bench
+
+BENCH_TINY = ["--repeats", "1", "--prompts", "1", "--max-new-tokens", "4", "--threads", "1", "--peers", ""]
+
+
+def test_bench_unknown_load_option_is_a_user_error_and_its_log_is_kept(exported, tmp_path, capsys):
+    """An unknown --load-option made every system fail and bench exit 0; its log was deleted with the
+    work directory. Now: one line naming the system, the reason and the log, which exists after exit."""
+    import exporter.bench as b
+
+    logs = tmp_path / "logs"
+    rc = b.main([str(exported("medusa")), *BENCH_TINY, "--load-option", "no_such_option=1", "--logs", str(logs)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: ours-ar could not start: "), err
+    assert "no_such_option" in err[-1] and f"worker log: {logs / 'ours-ar.log'}" in err[-1], err[-1]
+    assert (logs / "ours-ar.log").is_file()
+
+
+def test_bench_failing_system_is_a_non_zero_exit_naming_the_logs(exported, tmp_path, capsys, monkeypatch):
+    """A system that fails during the run (hooked: its worker's reply) is exit 1, its logs kept and named."""
+    import exporter.bench as b
+    from exporter.benchmark import systems as S
+
+    real = S.run
+
+    def run(system, request):
+        if system.name == "ours-spec" and request["max_new_tokens"] != 8:  # after the warm-up
+            system.skip("run failed: hooked", "failed")
+            return None
+        return real(system, request)
+
+    monkeypatch.setattr(S, "run", run)
+    rc = b.main([str(exported("medusa")), *BENCH_TINY])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err[-1].startswith("error: 1 system(s) failed: ours-spec (their logs: "), err
+    logs = err[-1].rpartition("their logs: ")[2].rstrip(")")
+    assert (Path(logs) / "ours-spec.log").is_file()
+    shutil.rmtree(logs)
+
+
+def test_bench_tampered_tokenizer_config_refused_before_it_is_rendered(exported, tmp_path, capsys, monkeypatch):
+    """A tampered tokenizer_config.json (chat template) was rendered before the export was verified."""
+    import exporter.bench as b
+    from exporter.benchmark import prompts as P
+    from exporter.benchmark import systems as S
+
+    out = tmp_path / "out"
+    shutil.copytree(exported("medusa"), out)
+    cfg = out / "tokenizer_config.json"
+    if not cfg.exists():
+        pytest.skip("the tiny export has no tokenizer_config.json")
+    cfg.write_text(cfg.read_text().rstrip()[:-1] + ', "chat_template": "{{ 7 * 7 }}"}')
+    monkeypatch.setattr(P, "load_chat_template", _no_work)
+    monkeypatch.setattr(S, "start", _no_work)
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    one_line(b.main([str(out), *BENCH_TINY, "--prompts-file", str(f)]), capsys.readouterr().err,
+             "tokenizer_config.json", "sha256")
+
+
+def test_bench_paths_are_resolved_before_the_workers(tiny_model_dir, tmp_path, monkeypatch):
+    """A relative --model-dir was resolved against the repository (the workers' cwd): another model, or a
+    hub id and the network. Resolved here; one that is not a directory is refused."""
+    from exporter.bench import BenchOptions
+    from exporter.loading import UserError
+
+    shutil.copytree(tiny_model_dir("base"), tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    opts = BenchOptions(model_dir="model", prompts_file="p.txt", logs="logs")
+    assert opts.model_dir == str(tmp_path / "model") and opts.prompts_file == str(tmp_path / "p.txt")
+    assert opts.logs == str(tmp_path / "logs")
+    with pytest.raises(UserError, match="--model-dir org/model is not a directory; pass a local"):
+        BenchOptions(model_dir="org/model")
