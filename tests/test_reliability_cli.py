@@ -213,3 +213,15 @@ def test_bench_paths_are_resolved_before_the_workers(tiny_model_dir, tmp_path, m
     assert opts.logs == str(tmp_path / "logs")
     with pytest.raises(UserError, match="--model-dir org/model is not a directory; pass a local"):
         BenchOptions(model_dir="org/model")
+
+
+def test_bench_bad_tree_is_a_user_error(exported, tmp_path, capsys):
+    """A --tree the runtime refuses (rank past the vocabulary) left ours-spec skipped and bench exit 0."""
+    import exporter.bench as b
+
+    t = tmp_path / "tree.json"
+    t.write_text("[[999]]")
+    rc = b.main([str(exported("medusa")), *BENCH_TINY, "--tree", str(t)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: ours-spec could not start: "), err
+    assert "rank 999" in err[-1] and "worker log: " in err[-1], err[-1]
