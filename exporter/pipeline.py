@@ -218,7 +218,9 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
     out_dir = Path(out_dir).absolute()
     manifest = _read_export(out_dir)
     if manifest.optimization:
-        done = ", ".join(f"{r}: {'+'.join(v.get('passes', []))}" for r, v in manifest.optimization.items())
+        done = "; ".join(f"{r}: {'+'.join(map(str, v.get('passes') or [])) or 'no passes'}"
+                         + (f", {v['quantization']}" if v.get("quantization") not in (None, "none") else "")
+                         for r, v in manifest.optimization.items() if isinstance(v, dict))
         raise UserError(f"{out_dir} is already optimized ({done}); passes apply to the raw trace only: "
                         f"re-export it (python -m exporter.export) and optimize that")
     if manifest.source.get("dtype", "float32") != "float32":
@@ -450,6 +452,9 @@ def compare_end_to_end(model_dir, out_dir, *, drafter=None, provider: str = "cpu
     from exporter.loading import load_model
 
     e2e.check_prompts(prompts)  # before anything loads
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1 for --e2e, got {max_new_tokens}; there is nothing to compare "
+                        f"without new tokens")
     model = load_model(model_dir, drafter=drafter)
     decoder = graphs.load(out_dir, provider=provider)
     prompts = prompts or e2e.default_prompts(decoder)

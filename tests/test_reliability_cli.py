@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import shutil
 from pathlib import Path
 
@@ -225,3 +226,42 @@ def test_bench_bad_tree_is_a_user_error(exported, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("error: ours-spec could not start: "), err
     assert "rank 999" in err[-1] and "worker log: " in err[-1], err[-1]
+
+
+# ----------------------------------------------------------------------------- unclear messages (issue 19)
+
+
+@pytest.mark.parametrize("content", ['{"prompt": "a\\ud800b"}\n', '["ok", "x\\udc00"]'])
+def test_prompt_with_an_escaped_lone_surrogate_is_one_clear_line(tmp_path, content):
+    from exporter.loading import UserError
+    from exporter.prompts import read_prompt_file
+
+    f = tmp_path / ("p.jsonl" if content.startswith("{") else "p.json")
+    f.write_text(content)
+    with pytest.raises(UserError, match=r"unpaired surrogate .* fix the escape"):
+        read_prompt_file(f)
+
+
+def test_compare_e2e_with_zero_new_tokens_is_refused_before_loading(exported, tiny_model_dir, capsys, monkeypatch):
+    import exporter.compare
+    import exporter.loading
+
+    model, out = tiny_model_dir("medusa"), exported("medusa")
+    monkeypatch.setattr(exporter.loading, "load_model", _no_work)
+    rc = exporter.compare.main([str(model), str(out), "--e2e",
+                                "--max-new-tokens", "0"])
+    one_line(rc, capsys.readouterr().err, "--max-new-tokens must be >= 1 for --e2e, got 0")
+
+
+def test_remote_code_refusal_names_the_flag(tiny_model_dir, tmp_path, capsys):
+    from helpers import run_export_main
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("base"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="my-custom-lm", auto_map={"AutoConfig": "configuration_x.XConfig",
+                                                    "AutoModelForCausalLM": "modeling_x.XModel"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc, err = run_export_main(capsys, d, tmp_path / "onnx")
+    one_line(rc, err, "needs its own Python code", "pass --trust-remote-code")
+    assert not (tmp_path / "onnx").exists()
