@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import shutil
 import tempfile
 import time
@@ -166,6 +167,16 @@ def _export(target: OutDir, model_dir: Path, out_dir: Path, opts: ExportOptions,
 # ----------------------------------------------------------------------------- updates of an export
 
 
+def _check_updatable(out_dir: Path) -> None:
+    """optimize and tune rewrite the export beside itself and swap it in: both directories must be
+    writable, checked before any work (a read-only file system failed with a raw error, tune only at
+    the end of its run)."""
+    for d in (out_dir, out_dir.parent):
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise UserError(f"{d} is not writable (read-only file system or permissions), and {out_dir} is "
+                            f"rewritten beside itself; copy the export to a writable place and run there")
+
+
 def _read_export(out_dir: Path) -> Manifest:
     try:
         return Manifest.read(out_dir)
@@ -232,6 +243,7 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
     log(f"optimize {out_dir}: target {options.target}, quantize {options.quantize}"
         f"{'' if draft_q == options.quantize else f' (drafter: {draft_q})'}, "
         f"fuse {options.fuse}, dtype {'float16' if options.use_float16 else 'float32'}", flush=True)
+    _check_updatable(out_dir)
     writer = OutDir(out_dir, update=True)
     with signals_as_interrupt():
         tmp = writer.open()
@@ -322,6 +334,7 @@ def tune_export(out_dir, prompts: list[str] | None = None, provider: str = "cpu"
                             "built-in set)")
     if model_dir is not None:
         _check_bake_source(first, out_dir, Path(model_dir))
+    _check_updatable(out_dir)
     writer = OutDir(out_dir, update=True)
     with signals_as_interrupt():
         tmp = writer.open()

@@ -265,3 +265,21 @@ def test_remote_code_refusal_names_the_flag(tiny_model_dir, tmp_path, capsys):
     rc, err = run_export_main(capsys, d, tmp_path / "onnx")
     one_line(rc, err, "needs its own Python code", "pass --trust-remote-code")
     assert not (tmp_path / "onnx").exists()
+
+
+@pytest.mark.parametrize("cli", ["exporter.tune", "exporter.optimize"])
+def test_read_only_export_is_refused_before_any_work(cli, out, monkeypatch, capsys):
+    """optimize and tune on a read-only file system failed with a raw error (tune only after its run).
+    The read-only mount is stood in for by ``os.access`` (tests run as root, for whom chmod is no barrier)."""
+    import os
+
+    import exporter.tuning
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, m, *a, **k: False if str(p) == str(out) and m & os.W_OK
+                        else real(p, m, *a, **k))
+    monkeypatch.setattr(exporter.tuning, "choose_tree", _no_work)
+    before = _digest(out)
+    rc = importlib.import_module(cli).main([str(out)])
+    one_line(rc, capsys.readouterr().err, f"{out} is not writable", "copy the export to a writable place")
+    assert _digest(out) == before
