@@ -62,6 +62,8 @@ def main(argv=None) -> int:
                     help="extra graphs.load() keyword for our systems (JSON value), e.g. eagle_draft=\"one_call\"")
     ap.add_argument("--sweep", action="store_true", help="also measure ours-spec against tree size")
     ap.add_argument("--work", help="keep peers' model builds here and reuse them (default: a temporary dir)")
+    ap.add_argument("--logs", help="keep every worker's and build's log here (default: a temporary directory, "
+                                   "kept and named when a system fails)")
     ap.add_argument("--json", help="write the report as JSON here (default: not written)")
     ap.add_argument("--png", help="draw the report here (default: not drawn)")
     ap.add_argument("--variants", help="instead of the systems run: compare optimized variants of a raw export, "
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
 
         for flag, path in (("--json", args.json), ("--png", args.png)):
             if path:
-                check_writable(path, flag)
+                check_writable(path, flag, args.out_dir, args.model_dir, args.draft_model)
         if args.png:  # say so before the run, not after it
             require_module("matplotlib", "--png", "'specexport[plot]' (or matplotlib)")
         if args.variants:
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
             top_k=args.top_k, seed=args.seed, threads=args.threads, tree=tree,
             precisions=_csv(args.precisions), peers=_csv(args.peers), draft_model=args.draft_model,
             prompt_lookup=args.prompt_lookup, optimum_python=args.optimum_python,
-            load_options=_load_options(args.load_option), sweep=args.sweep, work=args.work)
+            load_options=_load_options(args.load_option), sweep=args.sweep, work=args.work, logs=args.logs)
         report = bench(args.out_dir, opts, log=lambda *a: print(*a, file=sys.stderr))
         for e in report["systems"]:
             print(R.line(e, report["anchor"]))
@@ -123,7 +125,10 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         if args.png:
             R.draw(report, Path(args.png))
-        return 1 if report["greedy_mismatches"] else 0
+        if report["failed"]:  # a system asked for that failed is never a silent exit 0
+            print(f"error: {len(report['failed'])} system(s) failed: {', '.join(report['failed'])} (their logs: "
+                  f"{report['logs']})", file=sys.stderr)
+        return 1 if report["greedy_mismatches"] or report["failed"] else 0
 
     return run_cli(body, debug=args.debug)
 

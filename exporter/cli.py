@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -53,6 +54,34 @@ def require_module(module: str, what: str, install: str) -> None:
         importlib.import_module(module)
     except ImportError:
         raise UserError(f"{what} needs {module}: pip install {install}") from None
+
+
+def check_output(path, flag: str, *reads) -> None:
+    """Fail before any work, not after it, when a report cannot be written where asked: a directory, a
+    missing or read-only parent, or a path inside a directory the command reads (``reads``: the export,
+    the model directory; ``None`` entries are skipped). Writing there would destroy or taint what is read:
+    ``generate OUT --json OUT/manifest.json`` replaced the manifest, and any extra file makes an export
+    refused."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{flag} {p} is a directory; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"{flag} {p}: directory {parent} does not exist; create it or give another path")
+    target = Path(os.path.realpath(parent)) / p.name  # a symlinked file or parent is followed, as open() will
+    if p.is_symlink():
+        target = Path(os.path.realpath(p))
+    for d in reads:
+        if d is None:
+            continue
+        root = Path(os.path.realpath(d))
+        if target == root or root in target.parents:
+            raise UserError(f"{flag} {p} is inside {d}, which this command reads; write the report "
+                            f"outside it")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UserError(f"{flag} {p} is not writable; check its permissions")
 
 
 class Terminated(KeyboardInterrupt):

@@ -70,6 +70,10 @@ def main(argv=None) -> int:
     args = ap.parse_intermixed_args(argv)
 
     def body():
+        from exporter.cli import check_output
+
+        if args.json:
+            check_output(args.json, "--json", args.out_dir, args.model_dir)
         if args.e2e:
             return _main_e2e(args)
         report = compare(args.model_dir, args.out_dir, provider=args.provider, drafter=args.drafter,

@@ -52,7 +52,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
+        from exporter.cli import check_output
         from exporter.errors import UserError
+
+        if args.json:
+            check_output(args.json, "--json", args.out_dir)
         from graphs.params import GenerationParams
         from graphs.sessions import use_shared_thread_pool
 

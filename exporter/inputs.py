@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -110,8 +111,50 @@ def check_export_inputs(model_dir: Path, copied=()) -> None:
         for name in copied:
             if os.path.lexists(model_dir / name):
                 _safe_source(model_dir, model_dir / name)
+        for name in COPIED_DIRS:
+            if os.path.lexists(model_dir / name):
+                _safe_dir(model_dir, model_dir / name)
+        check_shard_index(model_dir)
         check_generation_config(model_dir)
         check_tokenizer(model_dir)
+
+
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_shard_index(model_dir: Path) -> None:
+    """A shard index names its shards as files of ``model_dir``: a name with a directory part
+    (``../foreign/x.safetensors``, an absolute path) or a shard that is a link out of ``model_dir``
+    would load weights from elsewhere (transformers follows it), so it is refused, as the tokenizer
+    files are."""
+    for index in SHARD_INDEXES:
+        path = model_dir / index
+        if not os.path.lexists(path):
+            continue
+        data = _read_json(_safe_source(model_dir, path), "shard index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{path} has no weight_map object; re-save the model with save_pretrained")
+        for shard in sorted(set(map(str, weight_map.values()))):
+            if not shard or Path(shard).name != shard or shard in (".", ".."):
+                tensor = next(k for k, v in weight_map.items() if str(v) == shard)
+                raise UserError(f"{path}: {tensor} is mapped to {shard!r}, outside {model_dir}; a shard index "
+                                f"names files of the model directory: copy the shard into {model_dir}")
+            if os.path.lexists(model_dir / shard):
+                _safe_source(model_dir, model_dir / shard)
+
+
+def _safe_dir(model_dir: Path, path: Path) -> Path:
+    """``path`` if it is a directory; its target if it is a link to a directory inside the allowed root."""
+    if path.is_symlink():
+        target = Path(os.path.realpath(path))
+        if _allowed_root(model_dir) not in target.parents or not target.is_dir():
+            raise UserError(f"{path} is a symlink to {target}, outside {model_dir}; copy the directory into "
+                            f"{model_dir} instead of linking it")
+        return target
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory; it must hold the named chat templates (*.jinja)")
+    return path
 
 
 def _allowed_root(model_dir: Path) -> Path:
@@ -170,11 +213,53 @@ def copy_export_files(model_dir: Path, dst: Path) -> None:
     (without our drafter key), so that HF loaders read the export directory as they read a model's."""
     copy_model_files(model_dir, dst, COPIED_FILES)  # regular files only; links must stay in model_dir
     for name in COPIED_DIRS:
-        src = model_dir / name
-        if src.is_dir() and not src.is_symlink():
-            (dst / name).mkdir()
-            copy_model_files(src, dst / name, sorted(p.name for p in src.iterdir() if not p.is_dir()))
+        if not os.path.lexists(model_dir / name):
+            continue
+        src = _safe_dir(model_dir, model_dir / name)  # a link inside model_dir is copied as a directory
+        (dst / name).mkdir()
+        copy_model_files(src, dst / name, sorted(p.name for p in src.iterdir() if not p.is_dir()))
     config = json.loads((model_dir / "config.json").read_text())
     for key in DRAFTER_CONFIG_KEYS:
         config.pop(key, None)
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+_LAYER_KEY = re.compile(r"^(?:model\.(?:decoder\.)?layers|transformer\.h|gpt_neox\.layers)\.(\d+)\.")
+
+
+def checkpoint_tensor_names(model_dir: Path) -> list[str] | None:
+    """The tensor names of ``model_dir``'s safetensors checkpoint, read from the shard index or the
+    files' headers (no tensor is read); ``None`` when it has none (``*.bin`` only) or a header is bad
+    (the load then names the damage)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return list(json.loads(index.read_bytes())["weight_map"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    names = []
+    files = sorted(model_dir.glob("*.safetensors"))
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if not 0 < n <= 100 << 20:
+                    return None
+                names += [k for k in json.loads(fh.read(n)) if k != "__metadata__"]
+        except (OSError, ValueError):
+            return None
+    return names if files else None
+
+
+def check_checkpoint_layers(config, model_dir: Path) -> None:
+    """A config asking for more decoder layers than the checkpoint holds fails here, before the model
+    is built (100,000 layers against a 2-layer checkpoint used to build them all, then fail on the
+    missing weights)."""
+    want = getattr(config, "num_hidden_layers", None)
+    names = checkpoint_tensor_names(model_dir)
+    if not isinstance(want, int) or names is None:
+        return
+    have = {int(m.group(1)) for m in map(_LAYER_KEY.match, names) if m}
+    if have and want > len(have):
+        raise UserError(f"{model_dir}/config.json asks for num_hidden_layers={want} but the checkpoint holds "
+                        f"{len(have)} decoder layers; fix num_hidden_layers (or re-save the model)")

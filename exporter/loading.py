@@ -59,6 +59,9 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:
+        if not trust_remote_code and "trust_remote_code" in str(e):
+            raise UserError(f"{model_dir} needs its own Python code to load (auto_map in config.json); review that "
+                            f"code, then pass --trust-remote-code") from None
         raise UserError(f"cannot read the config in {model_dir}: {_one_line(e)}") from None
     archs = getattr(config, "architectures", None) or []
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
@@ -70,9 +73,10 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
         get_arch(config)
     except ValueError as e:
         raise UserError(f"{model_dir}: {e}") from None
-    from exporter.inputs import check_rope
+    from exporter.inputs import check_checkpoint_layers, check_rope
 
     check_rope(config, model_dir)
+    check_checkpoint_layers(config, model_dir)
     if drafter is not None and getattr(config, "speculative_decoding", None):
         raise UserError(f"{model_dir} already holds a drafter; drop --drafter or export the plain base")
     enable_huggingface_checkpointing()

@@ -51,6 +51,10 @@ def main(argv=None) -> int:
     args = ap.parse_intermixed_args(argv)
 
     def body():
+        from exporter.cli import check_output
+
+        if args.json:
+            check_output(args.json, "--json", args.out_dir)
         summary = optimize_export(args.out_dir, validate=not args.no_validate, **options_from_args(args))
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import shutil
 import tempfile
 import time
@@ -96,6 +97,16 @@ class ExportOptions:
         check_opset(self.opset)
 
 
+def check_dtype(dtype) -> None:
+    """``--dtype`` must be one the runtime can feed: bfloat16 graphs traced, hashed and validated (on a
+    GPU) would then be refused by ``graphs.load``, so they are refused here, before any work."""
+    from exporter import plan
+
+    if dtype in plan.DTYPES and dtype not in plan.RUNTIME_DTYPES:  # unknown ones: ExportOptions says so
+        raise UserError(f"--dtype {dtype}: the runtime (graphs.load) cannot feed {dtype} graphs (numpy has no "
+                        f"{dtype}); export with --dtype float16 (GPUs) or float32")
+
+
 def export(model_dir, out_dir, *, drafter=None, dtype: str = "float32", overwrite: bool = False, opset: int = OPSET,
            validate: bool = True, trust_remote_code: bool = False, eagle_trees=None, log=print,
            overwrite_non_export: bool = False, external_data_bytes: int | None = None,
@@ -107,6 +118,7 @@ def export(model_dir, out_dir, *, drafter=None, dtype: str = "float32", overwrit
     ``optimize``: then :func:`optimize_export` with these keywords, a step of its own (the export is
     complete and valid whatever happens there).
     """
+    check_dtype(dtype)
     opts = ExportOptions(drafter=drafter, dtype=dtype, opset=opset, validate=validate,
                          trust_remote_code=trust_remote_code,
                          eagle_trees=None if eagle_trees is None else tuple(map(tuple, eagle_trees)),
@@ -153,6 +165,16 @@ def _export(target: OutDir, model_dir: Path, out_dir: Path, opts: ExportOptions,
 
 
 # ----------------------------------------------------------------------------- updates of an export
+
+
+def _check_updatable(out_dir: Path) -> None:
+    """optimize and tune rewrite the export beside itself and swap it in: both directories must be
+    writable, checked before any work (a read-only file system failed with a raw error, tune only at
+    the end of its run)."""
+    for d in (out_dir, out_dir.parent):
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise UserError(f"{d} is not writable (read-only file system or permissions), and {out_dir} is "
+                            f"rewritten beside itself; copy the export to a writable place and run there")
 
 
 def _read_export(out_dir: Path) -> Manifest:
@@ -207,7 +229,9 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
     out_dir = Path(out_dir).absolute()
     manifest = _read_export(out_dir)
     if manifest.optimization:
-        done = ", ".join(f"{r}: {'+'.join(v.get('passes', []))}" for r, v in manifest.optimization.items())
+        done = "; ".join(f"{r}: {'+'.join(map(str, v.get('passes') or [])) or 'no passes'}"
+                         + (f", {v['quantization']}" if v.get("quantization") not in (None, "none") else "")
+                         for r, v in manifest.optimization.items() if isinstance(v, dict))
         raise UserError(f"{out_dir} is already optimized ({done}); passes apply to the raw trace only: "
                         f"re-export it (python -m exporter.export) and optimize that")
     if manifest.source.get("dtype", "float32") != "float32":
@@ -219,6 +243,7 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
     log(f"optimize {out_dir}: target {options.target}, quantize {options.quantize}"
         f"{'' if draft_q == options.quantize else f' (drafter: {draft_q})'}, "
         f"fuse {options.fuse}, dtype {'float16' if options.use_float16 else 'float32'}", flush=True)
+    _check_updatable(out_dir)
     writer = OutDir(out_dir, update=True)
     with signals_as_interrupt():
         tmp = writer.open()
@@ -301,7 +326,15 @@ def tune_export(out_dir, prompts: list[str] | None = None, provider: str = "cpu"
 
     out_dir = Path(out_dir).absolute()
     t_start = time.perf_counter()
-    _read_export(out_dir)
+    first = _read_export(out_dir)
+    if prompts is not None:
+        prompts = list(prompts)
+        if not any(isinstance(p, str) and p.strip() for p in prompts):
+            raise UserError("the tune prompts are all empty; give at least one non-empty prompt (or none, for the "
+                            "built-in set)")
+    if model_dir is not None:
+        _check_bake_source(first, out_dir, Path(model_dir))
+    _check_updatable(out_dir)
     writer = OutDir(out_dir, update=True)
     with signals_as_interrupt():
         tmp = writer.open()
@@ -312,7 +345,7 @@ def tune_export(out_dir, prompts: list[str] | None = None, provider: str = "cpu"
             dec = graphs.load(out_dir, provider=provider, threads=threads, adaptive=False)
             if not dec.kind:
                 raise UserError(f"{out_dir} has no drafter: there is no tree to tune")
-            ids = [dec.encode(p) for p in (prompts or TUNE_PROMPTS)]
+            ids = [dec.encode(p) for p in (TUNE_PROMPTS if prompts is None else prompts) if p.strip()]
             report = tuning.choose_tree(dec, ids, out_dir=out_dir, threads=threads, budget_s=budget_s,
                                         can_bake=model_dir is not None, max_new_tokens=max_new_tokens, log=log)
             writer.checkpoint("measured")
@@ -340,6 +373,38 @@ def tune_export(out_dir, prompts: list[str] | None = None, provider: str = "cpu"
         f"{tuned['measured_tokens_per_s']:.0f} tok/s (autoregressive {report['autoregressive']['tokens_per_s']:.0f});"
         f" written to {out_dir / MANIFEST}", flush=True)
     return report
+
+
+def _check_bake_source(manifest: Manifest, out_dir: Path, model_dir: Path) -> None:
+    """``tune --model-dir``, checked before the tuning run (it used to fail after it): the export must have
+    an EAGLE drafter (only EAGLE trees are baked) and ``model_dir`` must hold the same kind of drafter
+    and base sizes as the export's manifest records."""
+    import json
+
+    kind = (manifest.drafter or {}).get("kind")
+    if kind != "eagle":
+        raise UserError(f"--model-dir bakes EAGLE trees, but {out_dir} has {'a ' + kind if kind else 'no'} drafter; "
+                        f"drop --model-dir")
+    cfg_path = model_dir / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_bytes())
+    except FileNotFoundError:
+        raise UserError(f"--model-dir {model_dir} has no config.json; pass the model directory {out_dir} was "
+                        f"exported from") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model-dir {model_dir}: cannot read config.json ({e}); pass the model directory "
+                        f"{out_dir} was exported from") from None
+    spec = cfg.get("speculative_decoding") if isinstance(cfg, dict) else None
+    mode = spec.get("mode") if isinstance(spec, dict) else None
+    if mode != kind:
+        raise UserError(f"--model-dir {model_dir} holds {'a ' + mode if mode else 'no'} drafter, but {out_dir} has "
+                        f"an {kind} drafter; pass the model directory {out_dir} was exported from")
+    src = manifest.source or {}
+    for key, cfg_key in (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"),
+                         ("vocab_size", "vocab_size")):
+        if key in src and cfg_key in cfg and cfg[cfg_key] != src[key]:
+            raise UserError(f"--model-dir {model_dir} is not the model exported to {out_dir} ({cfg_key} "
+                            f"{cfg[cfg_key]} vs {src[key]}); pass the model directory it was exported from")
 
 
 def _bake_tree(tmp: Path, manifest: Manifest, out_dir: Path, model_dir, cfg: tuple[int, int, int], log) -> str:
@@ -400,6 +465,9 @@ def compare_end_to_end(model_dir, out_dir, *, drafter=None, provider: str = "cpu
     from exporter.loading import load_model
 
     e2e.check_prompts(prompts)  # before anything loads
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1 for --e2e, got {max_new_tokens}; there is nothing to compare "
+                        f"without new tokens")
     model = load_model(model_dir, drafter=drafter)
     decoder = graphs.load(out_dir, provider=provider)
     prompts = prompts or e2e.default_prompts(decoder)

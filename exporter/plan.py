@@ -29,7 +29,9 @@ from graphs.manifest import Manifest
 from graphs.trees import DEFAULT_EAGLE_TREE
 
 OPSET = 17
-DTYPES = ("float32", "float16", "bfloat16")  # export --dtype
+DTYPES = ("float32", "float16", "bfloat16")  # what the tracer can write
+# what graphs.load can feed (numpy has no bfloat16): export refuses the others at once, naming the fix
+RUNTIME_DTYPES = ("float32", "float16")
 # graph dtype -> ONNX TensorProto element type (onnx.TensorProto.FLOAT = 1, ...): the one map
 ONNX_DTYPES = {"float32": 1, "uint8": 2, "int8": 3, "int32": 6, "int64": 7, "bool": 9, "float16": 10, "bfloat16": 16}
 
@@ -54,9 +56,24 @@ def parse_tree_role(role: str) -> tuple[int, int, int]:
 # ----------------------------------------------------------------------------- EAGLE trees
 
 
-def check_tree(topk: int, depth: int, total_tokens: int) -> None:
+# The most nodes a baked tree may have: its graph carries total_tokens x total_tokens masks and
+# total_tokens-row K/V per layer (4096: a 64 MiB float mask; 100000 tried to allocate 20 GB).
+MAX_TREE_TOKENS = 4096
+
+
+def check_tree(topk: int, depth: int, total_tokens: int, max_positions: int | None = None) -> None:
+    """A tree the one-call graph can be built for, checked before anything is allocated: sizes >= 1, at
+    most :data:`MAX_TREE_TOKENS` nodes, within what ``topk`` and ``depth`` draft and (``max_positions``,
+    the model's context) within the context."""
     if min(topk, depth, total_tokens) < 1:
         raise UserError(f"EAGLE tree {topk},{depth},{total_tokens}: topk, depth and total_tokens must be >= 1")
+    if total_tokens > MAX_TREE_TOKENS:
+        raise UserError(f"EAGLE tree {topk},{depth},{total_tokens}: total_tokens {total_tokens} is over the "
+                        f"{MAX_TREE_TOKENS}-node bound of a baked tree (its masks grow with its square); use a "
+                        f"smaller tree, e.g. 8,6,60")
+    if max_positions is not None and max(total_tokens, depth) >= max_positions:
+        raise UserError(f"EAGLE tree {topk},{depth},{total_tokens}: does not fit the model's context of "
+                        f"{max_positions} positions; use total_tokens and depth below {max_positions}")
     cap = max_eagle_nodes(topk, depth)  # the root and every drafted node (graphs.limits)
     if total_tokens > cap:
         raise UserError(
@@ -265,8 +282,9 @@ def build_plan(model, model_dir=None, *, dtype: str = "float32", opset: int = OP
     trees: list[tuple[int, int, int]] = []
     if getattr(model, "spec_mode", None) == "eagle":
         trees = list(dict.fromkeys(tuple(t) for t in (default_trees() if eagle_trees is None else eagle_trees)))
+        ctx = getattr(model.config, "max_position_embeddings", None)
         for cfg in trees:
-            check_tree(*cfg)
+            check_tree(*cfg, max_positions=ctx if isinstance(ctx, int) and ctx > 0 else None)
         specs |= tree_graph_specs(model, dtype, trees)  # listed after the K/V updates, as always
         tree["eagle_trees"] = [{"topk": k, "depth": d, "total_tokens": t, "graph": C.eagle_tree_role(k, d, t)}
                                for k, d, t in trees]

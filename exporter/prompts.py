@@ -48,7 +48,7 @@ def read_prompt_file(path, flag: str = "--prompts-file") -> list[dict]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{flag} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise UserError(f"{flag} {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     if text.lstrip().startswith("["):
         try:
             data = json.loads(text)
@@ -58,6 +58,8 @@ def read_prompt_file(path, flag: str = "--prompts-file") -> list[dict]:
             entries = [{"prompt": x} for x in data if x]
             if not entries:
                 raise UserError(f"{flag} {path} holds no prompts")
+            for n, e in enumerate(entries, 1):
+                _check_text(e["prompt"], path, n)
             return entries
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
@@ -78,7 +80,18 @@ def read_prompt_file(path, flag: str = "--prompts-file") -> list[dict]:
         else:
             raise UserError(f'{path}:{n}: each line needs a non-empty "prompt" string or a "messages" list of '
                             f'{{"role", "content"}} objects')
+    for n, e in enumerate(entries, 1):
+        _check_text(e.get("prompt") or " ".join(m["content"] for m in e["messages"]), path, n)
     return entries
+
+
+def _check_text(text: str, path, n: int) -> None:
+    """JSON may escape a lone surrogate (``"\\ud800"``): not text a tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{path}:{n}: holds an unpaired surrogate {text[e.start]!r} (an escape such as \\ud800 "
+                        f"without its pair); fix the escape or drop the character") from None
 
 
 def valid_messages(m) -> bool:

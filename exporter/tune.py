@@ -44,6 +44,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
+        from exporter.cli import check_output
+
+        if args.json:
+            check_output(args.json, "--json", args.out_dir, args.model_dir)
         prompts = read_prompt_texts(args.prompts, "--prompts") if args.prompts else None
         report = tune(args.out_dir, prompts=prompts, provider=args.provider, threads=args.threads,
                       budget_s=args.budget_s, model_dir=args.model_dir, max_new_tokens=args.max_new_tokens)

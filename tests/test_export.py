@@ -266,10 +266,26 @@ def test_float16_export(main_exports, model_type, kind):
     assert not any(t.data_type == onnx.TensorProto.FLOAT and t.dims for t in base.graph.initializer)
 
 
-def test_bfloat16_export_skips_the_numerical_check_on_cpu(tiny_model_dir, tmp_path):
-    """ORT's CPU EP has no bfloat16 kernels (e.g. Where): export still works and says what it skipped."""
+def test_bfloat16_export_fails_at_once_naming_the_fix(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Issue 19: ``--dtype bfloat16`` exited 0 for graphs the runtime then refuses; now refused before
+    any work (nothing loaded, no out_dir), naming the dtypes that work."""
+    from helpers import one_line, run_export_main
+
+    import exporter.loading
+
+    monkeypatch.setattr(exporter.loading, "load", lambda *a, **k: pytest.fail("loaded before the dtype check"))
+    rc, err = run_export_main(capsys, tiny_model_dir("medusa"), tmp_path / "onnx", "--dtype", "bfloat16")
+    one_line(rc, err, "--dtype bfloat16", "cannot feed bfloat16", "--dtype float16 (GPUs) or float32")
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_bfloat16_export_skips_the_numerical_check_on_cpu(tiny_model_dir, tmp_path, monkeypatch):
+    """ORT's CPU EP has no bfloat16 kernels (e.g. Where): the tracer still writes the graphs and says what
+    it skipped (the CLI refuses bfloat16, which the runtime cannot feed; unlocked here for the tracer)."""
+    import exporter.plan
     from exporter.export import export
 
+    monkeypatch.setattr(exporter.plan, "RUNTIME_DTYPES", exporter.plan.DTYPES)
     lines = []
     out = tmp_path / "onnx"
     manifest = export(tiny_model_dir("medusa"), out, dtype="bfloat16", log=lambda *a, **k: lines.append(a[0]))

@@ -206,9 +206,11 @@ def _graph_joint(dec, vocab: int, prompt: list[int]) -> np.ndarray:
 def test_optimizing_twice_is_refused_and_leaves_the_export(optimized):
     out = optimized("medusa")
     before = _digests(out)
-    with pytest.raises(UserError, match="already optimized"):
+    with pytest.raises(UserError, match="already optimized") as e:
         optimize_export(out, **QUIET)
     assert _digests(out) == before
+    # issue 19: the message ended in "draft: )" for a role recorded without passes
+    assert ": )" not in str(e.value) and ": ;" not in str(e.value), str(e.value)
 
 
 def test_cli_bad_target_is_one_line(exported, tmp_path):

@@ -229,3 +229,93 @@ def test_overwrite_non_export_needs_the_path_repeated(tiny_model_dir, tmp_path, 
     rc, err = run_main(capsys, tiny_model_dir("medusa"), out, "--overwrite-non-export", "yes")
     one_line(rc, err, "--overwrite-non-export must repeat out_dir")
     assert (out / "mine.txt").read_text() == "x" and not (out / MANIFEST).exists()
+
+
+# ----------------------------------------------------------------------------- issue 19
+
+
+def test_shard_index_pointing_outside_the_model_dir_is_refused(sharded, tmp_path, capsys, no_tracing):
+    """``"lm_head.weight": "../foreign/x.safetensors"`` was followed and the export exited 0."""
+    d = copy(sharded, tmp_path / "model")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    index = d / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    key = "model.layers.1.self_attn.q_proj.weight"
+    shard = data["weight_map"][key]
+    shutil.copyfile(d / shard, foreign / "x.safetensors")
+    data["weight_map"][key] = "../foreign/x.safetensors"
+    index.write_text(json.dumps(data))
+    rc, err = run_main(capsys, d, tmp_path / "onnx")
+    one_line(rc, err, "model.safetensors.index.json", key, "'../foreign/x.safetensors'", "outside",
+             "copy the shard")
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_shard_that_is_a_link_out_of_the_model_dir_is_refused(sharded, tmp_path, capsys, no_tracing):
+    d = copy(sharded, tmp_path / "model")
+    data = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = d / sorted(set(data["weight_map"].values()))[0]
+    outside = tmp_path / "outside.safetensors"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    rc, err = run_main(capsys, d, tmp_path / "onnx")
+    one_line(rc, err, shard.name, "is a symlink to", "outside", "copy the file")
+
+
+def test_config_with_far_more_layers_than_the_checkpoint_fails_before_building(tiny_model_dir, tmp_path, capsys,
+                                                                              monkeypatch):
+    """100,000 layers against a 2-layer checkpoint built the whole model before the missing-weights error."""
+    import exporter.loading
+
+    def built(*a, **k):
+        raise AssertionError("the model was built before the layer count was checked")
+
+    monkeypatch.setattr(exporter.loading, "_from_pretrained_checked", built)
+    d = copy(tiny_model_dir("base"), tmp_path / "model")
+    cfg = json.loads((d / "config.json").read_text())
+    layers, cfg["num_hidden_layers"] = cfg["num_hidden_layers"], 100_000
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc, err = run_main(capsys, d, tmp_path / "onnx")
+    one_line(rc, err, "num_hidden_layers=100000", f"holds {layers} decoder layers", "fix num_hidden_layers")
+
+
+def test_symlinked_additional_chat_templates(tiny_model_dir, tmp_path, capsys, no_tracing):
+    """A symlinked ``additional_chat_templates`` was dropped silently: a link inside the model directory
+    is copied as a directory; one out of it is refused by name."""
+    from exporter.inputs import copy_export_files
+
+    d = copy(tiny_model_dir("base"), tmp_path / "model")
+    (d / "templates").mkdir()
+    (d / "templates" / "tool.jinja").write_text("{{ messages }}")
+    (d / "additional_chat_templates").symlink_to(d / "templates")
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    copy_export_files(d, dst)
+    assert (dst / "additional_chat_templates" / "tool.jinja").read_text() == "{{ messages }}"
+    assert not (dst / "additional_chat_templates").is_symlink()
+
+    elsewhere = tmp_path / "elsewhere"
+    (d / "templates").rename(elsewhere)
+    (d / "additional_chat_templates").unlink()
+    (d / "additional_chat_templates").symlink_to(elsewhere)
+    rc, err = run_main(capsys, d, tmp_path / "onnx")
+    one_line(rc, err, "additional_chat_templates is a symlink to", "outside", "copy the directory")
+
+
+def test_absurd_eagle_tree_fails_before_loading(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """``--eagle-trees 64,64,100000`` tried to allocate 20 GB; now the node bound refuses it at parse time."""
+    import exporter.loading
+
+    monkeypatch.setattr(exporter.loading, "load", lambda *a, **k: pytest.fail("loaded before the tree check"))
+    rc, err = run_main(capsys, tiny_model_dir("eagle"), tmp_path / "onnx", "--eagle-trees", "64,64,100000")
+    one_line(rc, err, "--eagle-trees", "total_tokens 100000 is over the 4096-node bound", "use a smaller tree")
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_eagle_tree_longer_than_the_context_is_refused_before_tracing():
+    from exporter.plan import check_tree
+
+    with pytest.raises(UserError, match="does not fit the model's context of 512 positions"):
+        check_tree(64, 64, 600, max_positions=512)
+    check_tree(64, 64, 500, max_positions=512)

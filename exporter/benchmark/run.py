@@ -46,12 +46,26 @@ class BenchOptions:
     load_options: dict = field(default_factory=dict)  # extra graphs.load() keywords (eagle_draft=...)
     sweep: bool = False
     work: str | None = None  # keep peers' builds here (default: a temporary directory)
+    logs: str | None = None  # the workers' and builds' logs (default: kept in a temporary directory on failure)
 
     def __post_init__(self):
         def need(ok, msg):
             if not ok:
                 raise UserError(msg)
 
+        # every path resolved here: the workers run in another working directory, and a relative
+        # --model-dir that is not a directory there was taken as a hub id (the network)
+        for name in ("model_dir", "draft_model"):
+            v = getattr(self, name)
+            if v is not None:
+                flag = "--" + name.replace("_", "-")
+                need(Path(v).is_dir(), f"{flag} {v} is not a directory; pass a local Hugging Face model directory")
+                setattr(self, name, str(Path(v).absolute()))
+        for name in ("prompts_file", "work", "logs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, str(Path(getattr(self, name)).absolute()))
+        if self.optimum_python is not None and os.sep in self.optimum_python:
+            self.optimum_python = str(Path(self.optimum_python).absolute())
         need(self.prompts is None or self.prompts >= 1, f"--prompts must be >= 1, got {self.prompts}")
         need(self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}")
         need(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
@@ -66,16 +80,12 @@ class BenchOptions:
                       f"peers: {', '.join(PEERS)}")
 
 
-def check_writable(path, flag: str) -> None:
-    """Fail before the run, not after it, if a report cannot be written where asked."""
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"{flag} {p} is a directory; give a file name")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise UserError(f"{flag} {p}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise UserError(f"{flag} {p} is not writable; check its permissions")
+def check_writable(path, flag: str, *reads) -> None:
+    """Fail before the run, not after it, if a report cannot be written where asked (or would land
+    inside a directory the run reads): :func:`exporter.cli.check_output`."""
+    from exporter.cli import check_output
+
+    check_output(path, flag, *reads)
 
 
 def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> list[S.System]:
@@ -169,22 +179,47 @@ def bench(out_dir, opts: BenchOptions | None = None, log=print) -> dict:
 
     opts = opts or BenchOptions()
     out_dir = Path(out_dir).absolute()
-    manifest = Manifest.read(out_dir, verify=False)  # each worker's graphs.load() checks the hashes
+    # verified before anything of it is used (the tokenizer, its chat template): hashed once, then
+    # the proof record stands in for the workers' own checks
+    manifest = Manifest.read(out_dir, verify=True)
     tokenizer = Tokenizer.from_file(str(out_dir / manifest.tokenizer)) if manifest.tokenizer else None
     prompts = build_prompts(out_dir, tokenizer, opts.prompts_file, opts.prompts, opts.seed,
                             manifest.source["vocab_size"],
                             frozenset(manifest.generation.get("eos_token_ids") or []) | {0})
-    own_work = opts.work is None
-    work = Path(tempfile.mkdtemp(prefix="bench-")) if own_work else Path(opts.work).absolute()
+    own_work, own_logs = opts.work is None, opts.logs is None
+    work = Path(tempfile.mkdtemp(prefix="bench-")) if own_work else Path(opts.work)
     work.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="bench-logs-")) if own_logs else Path(opts.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    report = None
     try:
-        return _bench(out_dir, manifest, prompts, opts, work, log)
+        report = _bench(out_dir, manifest, prompts, opts, work, logs, log)
     finally:
+        for f in sorted(work.rglob("*.log")):  # the builds' logs (peers' models), beside the workers'
+            if f.is_file() and not f.is_symlink():
+                shutil.copyfile(f, logs / f.name)
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
+        if own_logs and report is not None and not report["failed"]:
+            shutil.rmtree(logs, ignore_errors=True)  # our own temporary: nothing failed, nothing to read
+    report["logs"] = str(logs) if (report["failed"] or not own_logs) else None
+    for e in report["systems"]:
+        if e.get("reason"):
+            e["reason"] = e["reason"].replace(str(work), str(logs))
+    return report
 
 
-def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, log) -> dict:
+def _fail_early(systems, logs: Path) -> None:
+    """Our own systems failing to start is the user's input (a bad --tree or --load-option, ...): one
+    line naming it and the worker's log, before any run."""
+    for s in systems:
+        if s.family == "ours" and s.precision == "fp32" and s.status in ("failed", "skipped"):
+            reason = (s.reason or "").strip().splitlines()
+            raise UserError(f"{s.name} could not start: {reason[0] if reason else 'no reason given'} (worker log: "
+                            f"{logs / (s.name + '.log')})")
+
+
+def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, logs: Path, log) -> dict:
     t_start = time.perf_counter()
     log(f"measuring copy bandwidth ({opts.threads or os.cpu_count()} threads)")
     bandwidth = R.copy_bandwidth(opts.threads)
@@ -193,11 +228,12 @@ def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, log) -> d
     try:
         for s in systems:
             log(f"  starting {s.name}")
-            S.start(s, work, log)
+            S.start(s, logs, log)
             if s.status == "ok":  # warm-up: first runs allocate
                 S.run(s, _request(prompts[0].ids, opts, 8, None))
             if s.status != "ok":
                 log(f"  {s.name}: {s.status}: {s.reason}")
+        _fail_early(systems, logs)
         live = [s for s in systems if s.status == "ok"]
         total = opts.repeats * len(prompts)
         log(f"running {len(live)} systems x {len(prompts)} prompts x {opts.repeats} repeats")
@@ -239,6 +275,7 @@ def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, log) -> d
         "anchor": anchor,
         "systems": entries,
         "greedy": greedy if opts.temperature == 0 else "not checked: sampling (temperature > 0)",
+        "failed": [e["name"] for e in entries if e["status"] == "failed"],
         "greedy_mismatches": sum(1 for g in greedy if g["must_equal"] and g["prompts_equal"] < g["prompts_compared"]),
         "seconds": time.perf_counter() - t_start,
     }

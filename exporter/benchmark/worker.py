@@ -55,7 +55,8 @@ class OursRunner:
         accepted = set(inspect.signature(graphs.load).parameters)
         unknown = sorted(set(options) - accepted)
         if unknown:
-            raise UnavailableError(f"graphs.load() of this checkout takes no {', '.join(unknown)}")
+            raise UnavailableError(f"graphs.load() of this checkout takes no {', '.join(unknown)}; drop that "
+                                   f"--load-option (accepted: {', '.join(sorted(accepted - {'out_dir'}))})")
         self.decoder = graphs.load(spec["out_dir"], provider="cpu", threads=threads, **options)
         self.mode = spec["mode"]
         self.tree = spec.get("tree")
