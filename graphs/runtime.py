@@ -39,7 +39,7 @@ from graphs import contract as C
 from graphs.adaptive import AdaptiveConfig, Costs, Planner, RowGains
 from graphs.eagle_draft import DRAFT_MODES, baked_trees, choose_graph
 from graphs.engine import Engine, EngineConfig, Request
-from graphs.errors import InputError, as_input_error
+from graphs.errors import ArtifactError, InputError, as_input_error
 from graphs.limits import check_eagle_tree, check_medusa_tree
 from graphs.manifest import Manifest
 from graphs.params import GenerationParams, Resolved, check_prompt
@@ -119,7 +119,12 @@ class Decoder:
         if m.tokenizer:
             from tokenizers import Tokenizer
 
-            self.tokenizer = Tokenizer.from_file(str(self.out_dir / m.tokenizer))
+            try:
+                self.tokenizer = Tokenizer.from_file(str(self.out_dir / m.tokenizer))
+            except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+                raise ArtifactError(f"{self.out_dir / m.tokenizer} is not a tokenizer tokenizers can read "
+                                    f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); "
+                                    f"re-export the model") from None
         self.default_tree = m.tree
         # generation_config.json (copied at export): its sampling defaults are this decoder's defaults
         gen_file = self.out_dir / "generation_config.json"

@@ -440,3 +440,19 @@ def test_run_cli_user_errors_and_bugs(capsys):
     assert run_cli(raising(KeyboardInterrupt())) == 130
     assert run_cli(raising(FileNotFoundError(2, "No such file or directory", "x.json"))) == 2
     assert capsys.readouterr().err.endswith("error: x.json: No such file or directory\n")
+
+
+def test_unparseable_tokenizer_is_one_clear_error(exported, tmp_path):
+    """A tokenizer.json that parses as JSON but not as a tokenizer (with its sha256 rehashed, so the
+    integrity check passes): one ArtifactError naming the file, not a raw tokenizers exception."""
+    import json as _json
+
+    d = copy(exported("medusa"), tmp_path / "tok")
+    (d / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "NoSuchModel"}}')
+    m = _json.loads((d / "manifest.json").read_text())
+    import hashlib
+
+    m["files"]["tokenizer.json"] = hashlib.sha256((d / "tokenizer.json").read_bytes()).hexdigest()
+    (d / "manifest.json").write_text(_json.dumps(m))
+    with pytest.raises(ArtifactError, match="is not a tokenizer tokenizers can read"):
+        load(d, verify="full")
