@@ -210,7 +210,7 @@ def drafter_examples(model, stream: torch.Tensor, spec: DemoSpec, data: str, see
     if data != "distill":
         raise ValueError(f"unknown data {data!r}; accepted: 'distill', 'text'")
     prompts = _windows(stream, spec.distill_prompts, spec.prompt_len, gen).tolist()
-    examples = self_distill(model, None, prompts, spec.distill_new_tokens, batch_size=16)
+    examples = self_distill(model, None, prompts, spec.distill_new_tokens, batch_size=16, progress=clock)
     clock(f"self-distilled {len(examples)} examples, {sum(len(e['input_ids']) for e in examples)} tokens")
     return examples
 

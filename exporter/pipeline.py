@@ -38,7 +38,7 @@ from pathlib import Path
 from exporter.cli import signals_as_interrupt
 from exporter.errors import UserError
 from exporter.outdir import OutDir, write_manifest
-from exporter.plan import DTYPES, OPSET, TRACED_ROLES, build_plan, versions
+from exporter.plan import DTYPES, OPSET, build_plan, versions
 from graphs.manifest import MANIFEST, ArtifactError, Manifest
 
 # ----------------------------------------------------------------------------- progress
@@ -129,7 +129,7 @@ def export(model_dir, out_dir, *, drafter=None, dtype: str = "float32", overwrit
     t0 = time.perf_counter()
     with signals_as_interrupt():  # SIGTERM cleans up as Ctrl-C does
         manifest = _export(target, model_dir, out_dir, opts, log)
-    graphs = ", ".join(manifest.graphs[r].file for r in TRACED_ROLES if r in manifest.graphs)
+    graphs = ", ".join(g.file for g in manifest.graphs.values())  # every graph file, tree graphs included
     log(f"exported {graphs} to {out_dir} in {time.perf_counter() - t0:.1f} s")
     if optimize is not None:  # a step of its own: the export above is complete and valid whatever happens here
         optimize_export(out_dir, **optimize)

@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("out_dir", help="an export directory (holds manifest.json)")
     ap.add_argument("--prompts", help="calibration prompts: a text file (one per line) or a JSON list "
                                       "(default: the built-in set)")
-    ap.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="cpu",
-                    help="ONNX Runtime provider to tune for")
+    ap.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto",
+                    help="ONNX Runtime provider to tune for (auto: CUDA when onnxruntime-gpu sees a GPU, as generate)")
     ap.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: all cores)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="time for the EAGLE (topk, depth) sweep")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens per calibration prompt")

@@ -61,6 +61,7 @@ def self_distill(
     *,
     batch_size: int = 8,
     eos_token_id: int | None = None,
+    progress=None,
 ) -> list[dict[str, list[int]]]:
     """Greedy continuations of ``prompts`` by ``model`` as training examples.
 
@@ -69,7 +70,8 @@ def self_distill(
     tokenizer); ``None`` when the prompts are token-id lists. Prompts are batched with left padding.
     Returns one ``{"input_ids", "attention_mask", "labels"}`` dict of int lists per prompt; labels are
     ``-100`` on the prompt. A continuation ends at (and includes) the first EOS (``eos_token_id``, else
-    the tokenizer's or the model's), as the base's own generation would.
+    the tokenizer's or the model's), as the base's own generation would. ``progress``: called with a
+    line after every batch ("self-distillation: 16/48 prompts"), so a long run is not silent.
     """
     from transformers import GenerationConfig
 
@@ -107,6 +109,8 @@ def self_distill(
             out = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
             )  # (B, width + new)
+            if progress is not None:
+                progress(f"self-distillation: {min(start + batch_size, len(encoded))}/{len(encoded)} prompts")
             for row, p in enumerate(chunk):
                 new = out[row, width:].tolist()
                 if eos is not None and eos in new:  # finished rows are padded after their EOS
