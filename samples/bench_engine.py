@@ -223,7 +223,8 @@ def draw(result: dict, path: str) -> None:
         axes[1, j].set_ylabel("median TPOT (ms)")
         axes[1, j].set_xlabel("concurrency (closed loop)")
         axes[0, j].legend(title="speculation", fontsize=8)
-    fig.suptitle(f"graphs.engine, {result['threads']} threads, greedy, {result['max_new_tokens']} new tokens")
+    fig.suptitle(f"graphs.engine, {result['threads']} threads, greedy (sets @T: sampled), "
+                 f"{result['max_new_tokens']} new tokens")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
