@@ -163,7 +163,6 @@ class RowGains:
         self.t, self.ema = int(tree_size), ema
         self.gain = np.full(self.t, np.nan)  # (T,) EMA; NaN = never observed
         self.gain[0] = 1.0
-        self.observed = 0  # the largest tree size observed (gain[:observed] is this request's own)
         if prior is not None and prior.shape[0] <= self.t:
             self.gain[: prior.shape[0]] = prior
 
@@ -174,7 +173,6 @@ class RowGains:
         n = min(tree.size, self.t)
         row = self.gain[:n]
         self.gain[:n] = np.where(np.isnan(row), g[:n], (1 - self.ema) * row + self.ema * g[:n])
-        self.observed = max(self.observed, n)
         return g[:n]
 
     def predicted(self) -> np.ndarray:

@@ -203,6 +203,8 @@ def test_unobserved_sizes_grow_by_the_last_measured_increment():
     assert g.predicted().tolist() == [1, 2, 2, 2, 2, 2]  # the tail adds what the last node added: nothing
     g = RowGains(5, prior=np.array([1.0, 1.5, 1.75]))
     assert g.predicted().tolist() == [1.0, 1.5, 1.75, 2.0, 2.25]
+    g = RowGains(4, prior=np.array([1.0, 1.5]))  # the shortest known prefix that has an increment
+    assert g.predicted().tolist() == [1.0, 1.5, 2.0, 2.5]
 
 
 def test_a_noisy_cost_table_never_makes_a_wider_call_cheaper():
