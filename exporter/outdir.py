@@ -53,7 +53,7 @@ import stat
 from pathlib import Path
 
 from exporter.errors import UserError
-from graphs.manifest import MANIFEST, PARTIAL_MARK, sha256_file
+from graphs.manifest import MANIFEST, PARTIAL_MARK
 
 _WATCHERS: list = []  # callbacks of checkpoints(): tests stop or kill a writer at a named point
 
@@ -71,28 +71,9 @@ def checkpoints(callback):
 
 def write_manifest(manifest, d: Path) -> Path:
     """Hash every file in ``d`` into ``manifest.files`` and write ``d/manifest.json`` atomically
-    (a temporary file, fsync, rename, fsync of the directory): a reader never sees half a manifest."""
-    d = Path(d)
-    manifest.files = {
-        p.relative_to(d).as_posix(): sha256_file(p)
-        for p in sorted(d.rglob("*"))
-        if p.is_file() and p.name not in (MANIFEST, PARTIAL_MARK)
-    }
-    path = d / MANIFEST
-    tmp = d / f".{MANIFEST}.tmp-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(manifest.to_json(), indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(d)
-    return path
+    (:meth:`graphs.manifest.Manifest.write`: temporary file, fsync, rename): a reader never sees half a
+    manifest."""
+    return manifest.write(Path(d))
 
 
 def _fsync_dir(d: Path) -> None:

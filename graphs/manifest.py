@@ -8,8 +8,10 @@ before a session is built.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +95,9 @@ class Manifest:
         )
 
     def write(self, out_dir: Path) -> Path:
-        """Hash every file in ``out_dir`` (except the manifest) and write the manifest."""
+        """Hash every file in ``out_dir`` (except the manifest) into ``files`` and write the manifest
+        atomically (a temporary file, fsync, rename, fsync of the directory): a reader never sees half
+        a manifest, whatever stops the writer."""
         out_dir = Path(out_dir)
         self.files = {
             p.relative_to(out_dir).as_posix(): sha256_file(p)
@@ -101,7 +105,23 @@ class Manifest:
             if p.is_file() and p.name not in (MANIFEST, PARTIAL_MARK)
         }
         path = out_dir / MANIFEST
-        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        tmp = out_dir / f".{MANIFEST}.tmp-{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.to_json(), indent=2) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        dfd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
         return path
 
     @classmethod

@@ -29,7 +29,6 @@ import argparse
 import json
 import random
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -39,23 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import graphs
 from graphs.engine import EngineConfig
+from graphs.serve.loadgen import code_prompts as loadgen_code_prompts
 
 MODES = ("off", "on", "adaptive")
 
 
 def code_prompts(n: int, seed: int = 0) -> list[str]:
-    """Slices of 2-12 lines from the standard library's source (deterministic)."""
-    src = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in src.glob("*.py") if p.stat().st_size > 20000)[:40]
-    rng = random.Random(seed)
-    out = []
-    while len(out) < n:
-        lines = files[rng.randrange(len(files))].read_text(errors="replace").splitlines()
-        i = rng.randrange(max(1, len(lines) - 12))
-        text = "\n".join(lines[i : i + rng.randint(2, 12)])
-        if text.strip():
-            out.append(text + "\n")
-    return out
+    """Slices of 2-12 lines from the standard library's source (the load generator's, uncut)."""
+    return loadgen_code_prompts(n, seed, max_chars=1 << 30)
 
 
 def ood_prompts(n: int, seed: int = 0) -> list[str]:
