@@ -65,6 +65,10 @@ class OptimizeOptions:
     # tokens are proposed, never what is emitted; measured on the 19M EAGLE drafter, level 0 made the
     # one-call draft 1.0x float32 (int4) and 7x slower (int8), level 4 1.8x faster.
     draft_accuracy_level: int = 4
+    # the base writes its new K/V into the caller's buffers (exporter.passes.kv_inplace) instead of
+    # concatenating the whole cache in every layer; None: on for the CPU (ORT's CPU TensorScatter
+    # writes in place), off for CUDA, where the engine keeps K/V on the host for now
+    kv_in_place: bool | None = None
     validate: bool = True  # raw-vs-optimized parity on tree/batch/past cases before the swap
     time_gain: bool = True  # time raw vs optimized base at 1 and 8 tokens for the summary
 
@@ -80,8 +84,15 @@ class OptimizeOptions:
                 raise UserError(f"{flag} {level} must be 0-4 (0: float32 compute, 4: int8)")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise UserError(f"--block-size {self.block_size} must be a power of two >= 16 (32 advised)")
+        if self.kv_in_place and self.target != "cpu":
+            raise UserError("--kv-in-place is built for --target cpu (the CUDA engine keeps K/V on the host); "
+                            "drop it")
         if not (self.fuse or self.quantize != "none" or self.quant_for("draft") != "none" or self.use_float16):
             raise UserError("nothing to do: --no-fuse without --quantize or float16; drop --no-fuse")
+
+    @property
+    def writes_kv_in_place(self) -> bool:
+        return self.target == "cpu" if self.kv_in_place is None else bool(self.kv_in_place)
 
     @property
     def use_float16(self) -> bool:
@@ -100,7 +111,8 @@ class OptimizeOptions:
 # ----------------------------------------------------------------------------- one graph
 
 
-def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=print) -> dict:
+def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=print, source: dict | None = None
+                   ) -> dict:
     """Run the passes on the graph file ``src``; write ``dst`` (+ ``dst.data``). Returns its record."""
     import logging
 
@@ -147,6 +159,21 @@ def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=p
         fused.update(norms)
         if norms:
             ops = step("norms", ", ".join(f"{v} {k}" for k, v in norms.items()), t0, ops)
+    if role == "base" and opts.writes_kv_in_place:
+        from exporter.passes.kv_inplace import write_in_place
+
+        t0 = time.perf_counter()
+        layers = sum(1 for t in proto.graph.input if t.name.startswith("past_key_values.")) // 2
+        src_dims = source or {}
+        try:
+            proto, layout = write_in_place(proto, layers, src_dims.get("num_attention_heads", 0),
+                                           src_dims.get("num_kv_heads", 0), src_dims.get("head_dim", 0),
+                                           base_dir=src.parent)
+        except ValueError as e:
+            raise UserError(f"{role} graph {src.name}: cannot write K/V in place ({e}); the export is untouched: "
+                            f"optimize with --no-kv-in-place") from None
+        fused["kv_layout"] = layout
+        ops = step("kv", f"{2 * layers} past+new Concat -> TensorScatter, K/V in place ({layout})", t0, ops)
     quantize = opts.quant_for(role)
     if quantize != "none" or opts.use_float16:
         graphio.load_weights(proto, src.parent)
@@ -282,8 +309,9 @@ def check_parity(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts
         if role == "base":  # one row alone vs in a tree: what greedy speculative == autoregressive needs
             from exporter.passes.parity import incremental_consistency
 
-            inc = max(incremental_consistency(tmp / specs[role].file, specs[role], manifest.source["vocab_size"],
-                                              seed=seed) for seed in range(8))
+            src = manifest.source
+            inc = max(incremental_consistency(tmp / specs[role].file, specs[role], src["vocab_size"], seed=seed,
+                                              kv_dims=(src["num_kv_heads"], src["head_dim"])) for seed in range(8))
             report["incremental_max_abs"] = inc
             limit = atol
             log(f"  [{role}] rows      one token alone vs the same token in a 4-token call: max |logits diff| "
@@ -352,7 +380,7 @@ def _validate_tree(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, ro
 
 def time_gain(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, log) -> dict:
     """Median latency of the raw and the rewritten base graph at 1 and 8 tokens over a 64-token past."""
-    from exporter.passes.parity import Case, random_feed
+    from exporter.passes.parity import Case, random_feed, rewritten_feed
     from graphs.sessions import make_session
 
     gains = {}
@@ -363,8 +391,7 @@ def time_gain(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, log) ->
         return {"skipped": "the rewritten base does not run on the CPU EP"}
     for t in (1, 8):
         feed = random_feed(manifest.graphs["base"], Case("t", 1, t, 64), vocab=manifest.source["vocab_size"])
-        new_feed = {s.name: feed[s.name].astype(s.dtype) if s.dtype.startswith("float") else feed[s.name]
-                    for s in specs["base"].inputs}
+        new_feed, _ = rewritten_feed(feed, specs["base"])
         ms = []
         for s, f in ((raw, feed), (new, new_feed)):
             s.run(None, f)
@@ -394,7 +421,10 @@ def optimize_graphs(out_dir: Path, tmp: Path, manifest: Manifest, options: Optim
     for role in manifest.graphs:
         if is_traced(role):
             records[role] = optimize_graph(out_dir / manifest.graphs[role].file, tmp / specs[role].file, role,
-                                           options, log)
+                                           options, log, source=manifest.source)
+            layout = records[role]["fused"].get("kv_layout")
+            if layout:
+                specs[role] = C.inplace_base_spec(specs[role], layout)
         elif options.use_float16:  # K/V updates: the cache dtype
             from exporter.kvgraph import build_kv_update
 

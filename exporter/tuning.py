@@ -47,7 +47,7 @@ MAX_TREE = 64
 def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7) -> dict[int, float]:
     """Seconds per base forward over n new positions after ``prompt`` (median of ``repeats``)."""
     src = dec.manifest.source
-    kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype)
+    kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, layout=dec.kv_layout)
     s = len(prompt)
     out = dec.base_forward(kv, np.array([prompt]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
     kv.append(dec.presents(out), np.arange(s)[None], np.array([s]))
@@ -80,7 +80,7 @@ def medusa_acceptance(dec, prompts: list[list[int]], new: int, k: int = 8) -> np
         toks = dec.generate(p, max_new_tokens=new, mode="autoregressive").token_ids
         seq = list(p) + list(toks)
         s = len(seq)
-        kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype)
+        kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, layout=dec.kv_layout)
         out = dec.base_forward(kv, np.array([seq]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
         (ids,) = dec.draft.run([C.TOPK_IDS], {C.HIDDEN: out[C.HIDDEN], C.TOPK_IN: np.array([k])})  # (1, S, h, K)
         for t in range(len(p) - 1, s):

@@ -183,11 +183,20 @@ def _np_dtype(dtype: str):
 
 
 def run_case(session, spec: C.GraphSpec, inputs: list[torch.Tensor]) -> list[np.ndarray]:
+    """Run ``session`` on ``inputs`` given in the order of the concat contract's inputs; a base that
+    writes K/V in place (optimized) gets them as its buffers (:func:`graphs.kv.as_inplace_feed`) and
+    its ``present.*`` come back as the S new rows, so every case means the same for both layouts."""
     feed = {}
     for t, x in zip(spec.inputs, inputs):
         arr = x.detach().cpu().numpy()
         feed[t.name] = arr.astype(_np_dtype(t.dtype)) if arr.dtype.kind == "f" else arr
-    return session.run(spec.output_names, feed)
+    if not C.kv_in_place(spec):
+        return session.run(spec.output_names, feed)
+    from graphs.kv import as_inplace_feed
+
+    feed, cut = as_inplace_feed(feed, spec)
+    out = cut(dict(zip(spec.output_names, session.run(spec.output_names, feed))))
+    return [out[n] for n in spec.output_names]
 
 
 def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | None = None, *,

@@ -24,6 +24,16 @@ Base graph (one forward serves prefill, a one-token step and a whole tree)::
     aux_hidden_states float [B, S, n_aux*hidden]  EAGLE-3 only: outputs of the chosen layers
     present.{i}.key / .value  float [B, kv_heads, S, head_dim]  K/V of the S new positions only
 
+The base graph with K/V written in place (``python -m exporter.optimize``, CPU; :func:`kv_in_place`
+tells, from the manifest's own spec): each past K/V input is the whole buffer of ``P`` columns and the
+graph writes the S new rows of row b into it at columns ``[kv_write_index[b], +S)`` (ONNX
+``TensorScatter``); the caller binds ``present.*`` to the same memory, so nothing is concatenated::
+
+    attention_mask   bool  [B, 1, S, P]    over the buffer's columns, the new rows included
+    kv_write_index   int64 [B]             (the last input) where each row's S new rows go
+    past_key_values.{i}.* / present.{i}.*  float [B, P, kv_heads * head_dim] (layout ``bsh``, the
+                     fused graphs) or [B, kv_heads, P, head_dim] (``bhsd``): the buffer, S rows written
+
 Draft graph, Medusa::
 
     hidden_states float [B, S, hidden], topk int64 [1]
@@ -68,6 +78,7 @@ LOGITS = "logits"
 TOPK_IN = "topk"
 TOPK_IDS = "topk_ids"
 TOPK_LOGPROBS = "topk_logprobs"
+KV_WRITE = "kv_write_index"
 
 
 def past_key(i: int) -> str:
@@ -189,6 +200,37 @@ def base_graph_spec(dims: ModelDims, n_aux: int = 0, file: str = "base.onnx") ->
         outputs.append(TensorSpec(AUX_HIDDEN, dims.dtype, (BATCH, SEQ, n_aux * dims.hidden_size)))
     outputs += _kv_specs(False, dims.num_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, SEQ)
     return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(outputs))
+
+
+KV_LAYOUTS = ("bhsd", "bsh")  # (B, kv_heads, P, head_dim) as traced | (B, P, kv_heads * head_dim)
+
+
+def inplace_base_spec(spec: GraphSpec, layout: str = "bhsd") -> GraphSpec:
+    """``spec`` (a base graph) with its K/V written in place: the mask spans the buffer's columns
+    (``past_sequence``), ``kv_write_index`` is appended, each ``present.*`` is the whole buffer, in
+    ``layout`` (``bsh``: the K/V of a position is one row of ``kv_heads * head_dim``, genai's layout)."""
+    if kv_in_place(spec) or layout not in KV_LAYOUTS:
+        raise ValueError(f"inplace_base_spec: {spec.file} is in place already, or layout {layout!r} is unknown")
+
+    def kv(t: TensorSpec) -> TensorSpec:
+        b, h, _, d = t.dims
+        return TensorSpec(t.name, t.dtype, (b, h, PAST, d) if layout == "bhsd" else (b, PAST, h * d))
+
+    inputs = [TensorSpec(t.name, t.dtype, (BATCH, 1, SEQ, PAST)) if t.name == ATTENTION_MASK
+              else kv(t) if t.name.startswith("past_key_values.") else t for t in spec.inputs]
+    inputs.append(TensorSpec(KV_WRITE, "int64", (BATCH,)))
+    outputs = [kv(t) if t.name.startswith("present.") else t for t in spec.outputs]
+    return GraphSpec(file=spec.file, inputs=tuple(inputs), outputs=tuple(outputs))
+
+
+def kv_in_place(spec: GraphSpec) -> bool:
+    """Whether the graph writes its new K/V into the past buffers (see the module docstring)."""
+    return KV_WRITE in spec.input_names
+
+
+def kv_layout(spec: GraphSpec) -> str:
+    """The K/V buffers' layout the graph reads: ``bhsd`` (B, kv_heads, P, head_dim) or ``bsh``."""
+    return "bsh" if len(spec.input(past_key(0)).dims) == 3 else "bhsd"
 
 
 def medusa_graph_spec(dims: ModelDims, num_heads: int, file: str = "draft.onnx") -> GraphSpec:

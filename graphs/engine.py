@@ -144,7 +144,7 @@ class Engine:
                              f"{decoder.max_positions} positions")
         src = decoder.manifest.source
         self.kv = SlotCache(src["num_layers"], cfg.max_batch, src["num_kv_heads"], src["head_dim"], decoder.dtype,
-                            self.max_len, headroom=cfg.max_tree)
+                            self.max_len, headroom=cfg.max_tree, layout=decoder.kv_layout)
         self.layers = src["num_layers"]
         self.plain = Plain(decoder)
         if decoder.kind == "medusa":
@@ -343,7 +343,7 @@ class Engine:
         t = time.perf_counter() - t0
         self.planner.costs.add_verify(bsz * s, t)
         self.totals.time_prefill += t
-        self.kv.commit(presents(out, self.layers), np.broadcast_to(np.arange(s), (bsz, s)), counts, first=lo)
+        self.kv.commit(self.dec.presents(out), np.broadcast_to(np.arange(s), (bsz, s)), counts, first=lo)
         events = []
         for j, (req, c) in enumerate(run):
             req.stats.time_prefill += t
@@ -411,7 +411,7 @@ class Engine:
         for b, a in enumerate(accepted):
             if a is not None:
                 idx[b, : len(a)] = a
-        self.kv.commit(presents(out, self.layers), idx, counts)
+        self.kv.commit(self.dec.presents(out), idx, counts)
         cands = [cand for _, cand in proposals]
         self.proposer.advance(live, out, accepted, bonus, cands, sizes)
         # costs and gains (the planner), statistics, emitted tokens

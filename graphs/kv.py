@@ -66,14 +66,23 @@ class Columns:
 
 
 class KVCache(Columns):
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype, bucket: int = 64):
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype, bucket: int = 64,
+                 layout: str = "bhsd"):
         super().__init__(num_layers, batch, kv_heads, head_dim, dtype, bucket)
+        self.layout = layout  # "bsh": stored (B, capacity, kv*hd), keys/values are 4-D views (graphs.slots)
         self.keys = [self._alloc(0) for _ in range(num_layers)]
         self.values = [self._alloc(0) for _ in range(num_layers)]
 
     def _alloc(self, cap: int) -> np.ndarray:
         # zeros, not empty: masked columns are still multiplied by softmax weights of 0
+        if self.layout == "bsh":
+            return np.zeros((self.batch, cap, self.kv_heads, self.head_dim), dtype=self.dtype).transpose(0, 2, 1, 3)
         return np.zeros((self.batch, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
+
+    def _graph_view(self, buf: np.ndarray) -> np.ndarray:
+        if self.layout == "bsh":
+            return buf.transpose(0, 2, 1, 3).reshape(self.batch, buf.shape[2], self.kv_heads * self.head_dim)
+        return buf
 
     def reserve(self, extra: int) -> None:
         """Make room for ``extra`` more columns beyond the write pointer."""
@@ -91,15 +100,24 @@ class KVCache(Columns):
         """The past inputs of a graph: ``past_key_values.{i}.key/value`` -> whole buffers."""
         feed = {}
         for i in range(self.num_layers):
-            feed[C.past_key(i)] = self.keys[i]
-            feed[C.past_value(i)] = self.values[i]
+            feed[C.past_key(i)] = self._graph_view(self.keys[i])
+            feed[C.past_value(i)] = self._graph_view(self.values[i])
         return feed
 
-    def append(self, presents: list[np.ndarray], idx: np.ndarray | None, counts: np.ndarray,
+    def write_columns(self, rows=None) -> np.ndarray:
+        """(B,) int64: where a graph that writes K/V in place puts the next new rows (the write pointer)."""
+        return np.full(self.batch, self.w, dtype=np.int64)
+
+    def reserve_columns(self, columns: int) -> None:
+        self.reserve(columns - self.w)
+
+    def append(self, presents: list[np.ndarray] | None, idx: np.ndarray | None, counts: np.ndarray,
                width: int | None = None) -> int:
         """Write accepted rows of the new positions; returns the first column written.
 
-        presents: the graph's ``present.{i}.key, present.{i}.value`` in layer order, (B, kv, S, hd)
+        presents: the graph's ``present.{i}.key, present.{i}.value`` in layer order, (B, kv, S, hd);
+            None: the graph wrote its S new rows at columns w.. already (in place): the kept ones are
+            gathered from there
         idx (B, A) int: which of the S new positions go to columns w..w+A-1 (pad with any index);
             None: all of them in order (then ``width`` = S)
         counts (B,) int: how many of those A are real for each sequence (the rest are holes)
@@ -107,6 +125,16 @@ class KVCache(Columns):
         a = idx.shape[1] if idx is not None else width
         self.reserve(a)
         w = self.w
+        if presents is None:  # written in place at w + node: gather the kept nodes down to w + j
+            if idx is not None:
+                for bufs in (self.keys, self.values):
+                    for buf in bufs:
+                        if self.batch == 1:
+                            buf[:, :, w : w + a] = buf[:, :, w + idx[0]]
+                        else:
+                            b = np.arange(self.batch)[:, None]
+                            buf[:, :, w : w + a] = buf[b, :, w + idx].transpose(0, 2, 1, 3)
+            return self._mark(a, counts)
         if idx is None:  # all S new rows, in order (temporary draft-tree rows)
             for i in range(self.num_layers):
                 self.keys[i][:, :, w : w + a] = presents[2 * i]
@@ -122,3 +150,36 @@ class KVCache(Columns):
                 self.keys[i][:, :, w : w + a] = presents[2 * i][b, :, idx].transpose(0, 2, 1, 3)
                 self.values[i][:, :, w : w + a] = presents[2 * i + 1][b, :, idx].transpose(0, 2, 1, 3)
         return self._mark(a, counts)
+
+
+# ---------------------------------------------------------------- graphs that write K/V in place
+
+
+def as_inplace_feed(feed: dict, spec: C.GraphSpec):
+    """A feed of the concat contract (pasts (B, kv, P, hd), mask over P+S) for a graph that writes its
+    K/V in place (:func:`graphs.contract.kv_in_place`): each past padded to P+S columns (zeros) in the
+    graph's layout, every row written at column P, the mask unchanged (its columns line up).
+
+    Returns (feed, cut): ``cut(outputs)`` turns the graph's outputs back into the concat contract's
+    (each ``present.*`` the S new rows, (B, kv, S, hd)). What parity checks, ``compare`` and tests
+    feed both layouts with; the runtime keeps real buffers (:class:`graphs.slots.SlotCache`)."""
+    k0 = feed[C.past_key(0)]
+    bsz, kvh, p, hd = k0.shape
+    s = feed[C.INPUT_IDS].shape[1]
+    bsh = C.kv_layout(spec) == "bsh"
+    out = dict(feed)
+    for t in spec.inputs:
+        if t.name.startswith("past_key_values."):
+            x = np.concatenate([feed[t.name], np.zeros((bsz, kvh, s, hd), dtype=feed[t.name].dtype)], axis=2)
+            out[t.name] = np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(bsz, p + s, kvh * hd) if bsh else x)
+    out[C.KV_WRITE] = np.full(bsz, p, dtype=np.int64)
+
+    def cut(outputs: dict) -> dict:
+        res = {}
+        for k, v in outputs.items():
+            if k.startswith("present."):
+                v = v[:, p : p + s].reshape(bsz, s, kvh, hd).transpose(0, 2, 1, 3) if bsh else v[:, :, p : p + s]
+            res[k] = v
+        return res
+
+    return out, cut

@@ -45,7 +45,7 @@ from graphs.manifest import Manifest
 from graphs.params import GenerationParams, Resolved, check_prompt
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
 from graphs.schema import check_session, load_graph
-from graphs.sessions import make_session, resolve_provider, warn_if_other_target, warn_if_tree_stale
+from graphs.sessions import InPlaceRun, make_session, resolve_provider, warn_if_other_target, warn_if_tree_stale
 from graphs.slots import attention_mask
 from graphs.trees import DEFAULT_EAGLE_TREE, Tree, default_medusa_paths, load_tree_file, medusa_tree
 
@@ -133,6 +133,9 @@ class Decoder:
         # its eos list is already the manifest's (export reads it there): self.eos is the one default
         self.generation_defaults.eos_token_id = None
         self._base_outputs = [t.name for t in self.base_spec.outputs]
+        # K/V written in place by the graph (exporter.optimize on the CPU): the manifest's spec says so
+        self._in_place = InPlaceRun(self.base, self.base_spec) if C.kv_in_place(self.base_spec) else None
+        self.kv_layout = C.kv_layout(self.base_spec)  # how the base's K/V buffers are laid out
         self._n_layers = m.source["num_layers"]
 
 
@@ -194,13 +197,33 @@ class Decoder:
         """One base forward over S new positions per row: ids, positions (B, S), tree_mask (B, S, S)
         bool, against the columns ``kv`` holds (a :class:`graphs.slots.SlotCache`, its ``rows``, or a
         :class:`graphs.kv.KVCache`). Returns every output by name (``present.*``: K/V of the S)."""
+        if self._in_place is not None:
+            return self._forward_in_place(kv, ids, pos, tree_mask, rows)
         past = kv.past_mask() if rows is None else kv.past_mask(rows)
         feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: attention_mask(past, tree_mask)}
         kv_feed = kv.feed() if rows is None else kv.feed(rows)
         return dict(zip(self._base_outputs, self.base.run(self._base_outputs, feed | kv_feed)))
 
-    def presents(self, out: dict) -> list:
-        """The base's ``present.*`` outputs of ``out`` in layer order (K0, V0, K1, V1, ...)."""
+    def _forward_in_place(self, kv, ids, pos, tree_mask, rows) -> dict:
+        """The base graph writes the S new rows of row b into ``kv``'s buffers at the column of b's
+        next write (``kv.write_columns``); the returned outputs hold no ``present.*`` and ``kv.commit``
+        / ``kv.append`` then take ``None`` for them (the rows are already in place)."""
+        bsz, s = ids.shape
+        starts = kv.write_columns(rows)
+        kv.reserve_columns(int(starts.max(initial=0)) + s)
+        past = kv.past_mask() if rows is None else kv.past_mask(rows)  # (B, capacity), after the growth
+        mask = np.zeros((bsz, 1, s, past.shape[1]), dtype=bool)
+        mask[:, 0] = past[:, None, :]
+        cols = starts[:, None] + np.arange(s)[None, :]  # (B, S): where each row's new rows go
+        mask[np.arange(bsz)[:, None], 0, :, cols] = tree_mask.transpose(0, 2, 1)  # [b, j, i] = tree[b, i, j]
+        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.KV_WRITE: starts}
+        return self._in_place.run(feed, kv.feed() if rows is None else kv.feed(rows))
+
+    def presents(self, out: dict) -> list | None:
+        """The base's ``present.*`` outputs of ``out`` in layer order (K0, V0, K1, V1, ...); None when
+        the graph wrote them in place (the caches' ``commit`` / ``append`` take None then)."""
+        if self._in_place is not None:
+            return None
         return [out[n] for i in range(self._n_layers) for n in (C.present_key(i), C.present_value(i))]
 
     @contextlib.contextmanager

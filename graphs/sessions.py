@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 try:
     import onnxruntime as ort
 except ImportError as e:  # one line that says what to install, not a traceback into our modules
@@ -222,3 +224,34 @@ def warn_if_tree_stale(tree: dict, optimization: dict, source_dtype: str = "floa
                   f"the same but may not be the fastest; re-tune with python -m exporter.tune {out_dir or 'OUT_DIR'}",
                   RuntimeWarning, stacklevel=3)
     return True
+
+
+class InPlaceRun:
+    """Calls of a graph that writes its K/V into the caller's buffers (``graphs.contract.kv_in_place``).
+
+    Each ``past_key_values.*`` input and its ``present.*`` output are bound to the same host buffer
+    (IO binding), so ONNX Runtime's ``TensorScatter`` writes the new rows in place and nothing is
+    copied back; the other outputs come back as arrays. One IO binding per call: calls from several
+    threads (engines of one decoder) never share one.
+    """
+
+    def __init__(self, session: ort.InferenceSession, spec):
+        self.session = session
+        self.outputs = [n for n in spec.output_names if not n.startswith("present.")]
+
+    def run(self, feed: dict, buffers: dict) -> dict:
+        """``feed``: the small inputs (arrays), ``buffers``: ``past_key_values.*`` -> contiguous buffers."""
+        io = self.session.io_binding()
+        for name, x in feed.items():
+            io.bind_cpu_input(name, np.ascontiguousarray(x))
+        for name in self.outputs:
+            io.bind_output(name, "cpu")
+        for name, buf in buffers.items():
+            if not buf.flags.c_contiguous:
+                raise ValueError(f"{name}: the K/V buffer must be contiguous to be written in place")
+            value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the buffer's memory (CPU)
+            io.bind_ortvalue_input(name, value)
+            io.bind_ortvalue_output("present." + name[len("past_key_values."):], value)
+        self.session.run_with_iobinding(io)
+        got = io.get_outputs()
+        return {name: got[i].numpy() for i, name in enumerate(self.outputs)}

@@ -31,8 +31,12 @@ from graphs import contract as C
 
 class SlotCache:
     def __init__(self, num_layers: int, slots: int, kv_heads: int, head_dim: int, dtype, max_len: int,
-                 headroom: int = 0, bucket: int = 64):
+                 headroom: int = 0, bucket: int = 64, layout: str = "bhsd"):
         self.num_layers, self.slots, self.kv_heads, self.head_dim = num_layers, slots, kv_heads, head_dim
+        # "bsh": each buffer is stored (slots, capacity, kv_heads * head_dim), the layout of the graphs
+        # that write K/V in place (graphs.contract.kv_layout); self.keys / self.values are then
+        # (slots, kv_heads, capacity, head_dim) views of it, so every write below is layout-blind
+        self.layout = layout
         self.dtype = np.dtype(dtype)
         self.limit = int(max_len) + int(headroom)  # columns a buffer may ever have
         self.bucket = bucket
@@ -47,7 +51,15 @@ class SlotCache:
 
     def _alloc(self, cap: int) -> np.ndarray:
         # zeros, not empty: masked columns are still multiplied by softmax weights of 0
+        if self.layout == "bsh":
+            return np.zeros((self.slots, cap, self.kv_heads, self.head_dim), dtype=self.dtype).transpose(0, 2, 1, 3)
         return np.zeros((self.slots, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
+
+    def _graph_view(self, buf: np.ndarray) -> np.ndarray:
+        """The buffer as the graph reads it (no copy): itself, or the (slots, capacity, kv*hd) storage."""
+        if self.layout == "bsh":
+            return buf.transpose(0, 2, 1, 3).reshape(self.slots, buf.shape[2], self.kv_heads * self.head_dim)
+        return buf
 
     @property
     def bytes_per_column(self) -> int:
@@ -122,16 +134,28 @@ class SlotCache:
         rows = rows or slice(0, self.n)
         feed = {}
         for i in range(self.num_layers):
-            feed[C.past_key(i)] = self.keys[i][rows]
-            feed[C.past_value(i)] = self.values[i][rows]
+            feed[C.past_key(i)] = self._graph_view(self.keys[i])[rows]
+            feed[C.past_value(i)] = self._graph_view(self.values[i])[rows]
         return feed
 
     # ---------------------------------------------------------------- writes
 
-    def commit(self, presents: list[np.ndarray], idx: np.ndarray, counts: np.ndarray, first: int = 0) -> None:
+    def write_columns(self, rows: slice | None = None) -> np.ndarray:
+        """(B,) int64: the column where each row's next new rows go (its length), for a graph that
+        writes K/V in place."""
+        rows = rows or slice(0, self.n)
+        return self.lens[rows].copy()
+
+    def reserve_columns(self, columns: int) -> None:
+        self.reserve(columns)
+
+    def commit(self, presents: list[np.ndarray] | None, idx: np.ndarray, counts: np.ndarray, first: int = 0
+               ) -> None:
         """Append accepted new rows to rows ``first .. first + B - 1`` at their own lengths.
 
-        presents: the graph's ``present.{i}.key, present.{i}.value`` in layer order, (B, kv, S, hd)
+        presents: the graph's ``present.{i}.key, present.{i}.value`` in layer order, (B, kv, S, hd);
+            None: the graph wrote its S new rows into the buffers at each row's length already
+            (:func:`graphs.contract.kv_in_place`): the accepted ones are moved down in place
         idx (B, A) int: which of the S new positions to keep, in order (pad with any index)
         counts (B,) int: how many of those A each row keeps (0: nothing, e.g. a row along for the ride)
         """
@@ -139,6 +163,9 @@ class SlotCache:
         bsz, a = idx.shape
         rows = first + np.arange(bsz)
         lens = self.lens[rows]
+        if presents is None:
+            self._compact(rows, lens, idx, counts)
+            return
         need = int((lens + counts).max(initial=0))
         self.reserve(need + self.temp)
         if bsz == 1:  # one row: slices, no fancy indexing
@@ -161,6 +188,20 @@ class SlotCache:
                 # advanced indices on axes 0 and 2 (a slice between): both sides are (N, kv, hd)
                 self.keys[i][dst_rows, :, cols] = presents[2 * i][b_loc, :, nodes]
                 self.values[i][dst_rows, :, cols] = presents[2 * i + 1][b_loc, :, nodes]
+        self.lens[rows] += counts
+
+    def _compact(self, rows: np.ndarray, lens: np.ndarray, idx: np.ndarray, counts: np.ndarray) -> None:
+        """Rows written in place at ``lens`` (node j at column lens + j): node ``idx[b, j]`` moves to
+        column ``lens[b] + j`` for j < counts[b]. Nodes already in place (a prefill, a plain step, a
+        chain's accepted prefix) move nothing; the others are a few small copies per buffer."""
+        keep = (np.arange(idx.shape[1])[None, :] < counts[:, None]) & (idx != np.arange(idx.shape[1])[None, :])
+        b_loc, j = np.nonzero(keep)
+        if b_loc.size:
+            dst_rows, cols, src = rows[b_loc], lens[b_loc] + j, lens[b_loc] + idx[b_loc, j]
+            for bufs in (self.keys, self.values):
+                for buf in bufs:
+                    # the right side is gathered (a copy) before the write: overlapping moves are safe
+                    buf[dst_rows, :, cols] = buf[dst_rows, :, src]
         self.lens[rows] += counts
 
     def top(self) -> int:

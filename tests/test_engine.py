@@ -20,6 +20,7 @@ from test_runtime import EAGLE_TREES, MEDUSA_TREES, N_NEW, PROMPTS, references, 
 from test_spec_sampling import P_MIN, PROMPT, VOCAB, chi_square, exact_joint, setup  # noqa: F401 (fixture)
 
 import graphs
+import graphs.contract
 from graphs.engine import EngineConfig
 from graphs.errors import CapacityError, InputError
 
@@ -82,14 +83,50 @@ def random_schedule(seed: int, kind: str, draft: str, n: int = 14) -> list[dict]
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_requests_are_exact_under_random_traffic(trained, kind, draft, seed):  # noqa: F811
     t = trained(kind)
-    dec = graphs.load(t.out_dir, provider="cpu", threads=1, eagle_draft=draft)
+    _greedy_under_traffic(t.out_dir, t.refs, kind, draft, seed)
+
+
+@pytest.fixture(scope="module")
+def optimized_trained(trained, tmp_path_factory):  # noqa: F811
+    """``optimized_trained(kind) -> Path``: the trained export, optimized for the CPU (fused, K/V
+    written in place by the base graph)."""
+    import shutil
+
+    from exporter.optimize import optimize_export
+
+    cache = {}
+
+    def make(kind):
+        if kind not in cache:
+            out = tmp_path_factory.mktemp(f"opt-trained-{kind}") / "out"
+            shutil.copytree(trained(kind).out_dir, out)
+            optimize_export(out, progress=None, time_gain=False, tune=False)
+            cache[kind] = out
+        return cache[kind]
+
+    return make
+
+
+@pytest.mark.parametrize(("kind", "draft"), [("medusa", "auto"), ("eagle", "one_call"), ("eagle3", "stepwise")])
+def test_greedy_requests_are_exact_on_graphs_that_write_kv_in_place(trained, optimized_trained, kind,  # noqa: F811
+                                                                   draft):
+    """The optimized base writes each row's K/V at that row's own column and the engine compacts the
+    accepted rows in place: the same tokens under the same random traffic (rows of different lengths
+    verifying different trees in one call, rows leaving and moving)."""
+    out = optimized_trained(kind)
+    assert graphs.contract.kv_in_place(graphs.load(out, provider="cpu", threads=1).base_spec)
+    _greedy_under_traffic(out, trained(kind).refs, kind, draft, seed=0)
+
+
+def _greedy_under_traffic(out_dir, refs, kind, draft, seed):
+    dec = graphs.load(out_dir, provider="cpu", threads=1, eagle_draft=draft)
     engine = dec.engine(EngineConfig(max_batch=4, prefill_chunk=4, step_tokens=12))
     sched = random_schedule(seed, kind, draft)
     with dec.watch_verify() as records:
         out = drive(engine, sched)
     checked = 0
     for i, s in enumerate(sched):
-        o, ref = out[i], t.refs[s["ref"]]
+        o, ref = out[i], refs[s["ref"]]
         if s["params"].get("temperature"):
             continue
         want = ref[: s["params"]["max_new_tokens"]]

@@ -93,10 +93,23 @@ def _paired_runs(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec,
     a, b = make_session(raw, "cpu", threads), make_session(new, "cpu", threads)
     for i, case in enumerate(cases):
         feed = make_feed(spec, case, seed=i, vocab=vocab)
-        new_feed = {t.name: feed[t.name].astype(t.dtype) if t.dtype.startswith("float") else feed[t.name]
-                    for t in new_spec.inputs}
-        yield (case, dict(zip(spec.output_names, a.run(spec.output_names, feed))),
-               dict(zip(new_spec.output_names, b.run(new_spec.output_names, new_feed))))
+        new_feed, cut = rewritten_feed(feed, new_spec)
+        got = cut(dict(zip(new_spec.output_names, b.run(new_spec.output_names, new_feed))))
+        yield case, dict(zip(spec.output_names, a.run(spec.output_names, feed))), got
+
+
+def rewritten_feed(feed: dict, new_spec: C.GraphSpec):
+    """The raw graph's ``feed`` as the rewritten graph's: cast to its float dtype, and for a base that
+    writes K/V in place, pasts padded into buffers (:func:`graphs.kv.as_inplace_feed`). Returns
+    (feed, a function that turns the rewritten graph's outputs into the raw contract's)."""
+    from graphs.kv import as_inplace_feed
+
+    cut = dict
+    if C.kv_in_place(new_spec):
+        feed, cut = as_inplace_feed(feed, new_spec)
+    new_feed = {t.name: feed[t.name].astype(t.dtype) if t.dtype.startswith("float") else feed[t.name]
+                for t in new_spec.inputs}
+    return new_feed, cut
 
 
 def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, atol: float, rtol: float,
@@ -125,7 +138,7 @@ def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec,
 
 
 def incremental_consistency(path: Path, spec: C.GraphSpec, vocab: int, past: int = 20, threads: int = 1,
-                            seed: int = 7) -> float:
+                            seed: int = 7, kv_dims: tuple[int, int] | None = None) -> float:
     """Max |logits| difference between a token computed alone (S=1, the autoregressive step) and the
     same token as row 0 of a 4-token call (a verified tree's first row), over the same past, which
     the graph itself computed from a prefill (random past values do not show the effect below).
@@ -141,18 +154,23 @@ def incremental_consistency(path: Path, spec: C.GraphSpec, vocab: int, past: int
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab, past + 4).astype(np.int64)
     kv = spec.input(C.past_key(0)).dims
+    if len(kv) == 3:  # (B, P, kv_heads * head_dim): the caller says how it splits (``kv_dims``)
+        kv = (kv[0], kv_dims[0], kv[1], kv_dims[1])
     past_names = [t.name for t in spec.inputs if t.name.startswith("past_key_values.")]
     presents = [t.name for t in spec.outputs if t.name.startswith("present.")]
 
     def run(tokens, positions, mask, pasts):
         feed = {C.INPUT_IDS: tokens[None], C.POSITION_IDS: positions[None], C.ATTENTION_MASK: mask[None, None]}
         feed.update(zip(past_names, pasts))
+        cut = dict
+        if C.kv_in_place(spec):
+            feed, cut = rewritten_feed(feed, spec)
         extra = {t.name: np.zeros([1 if d == C.BATCH else 0 if isinstance(d, str) else d for d in t.dims], t.dtype)
                  for t in spec.inputs if t.name not in feed}
-        out = s.run([C.LOGITS, *presents], {**feed, **extra})
-        return out[0][0], out[1:]
+        out = cut(dict(zip([C.LOGITS, *presents], s.run([C.LOGITS, *presents], {**feed, **extra}))))
+        return out[C.LOGITS][0], [out[n] for n in presents]
 
-    empty = [np.zeros((1, kv[1], 0, kv[3]), spec.input(n).dtype) for n in past_names]
+    empty = [np.zeros((1, kv[1], 0, kv[3]), spec.input(n).dtype) for n in past_names]  # the concat contract's
     _, pasts = run(ids[:past], np.arange(past), np.tril(np.ones((past, past), bool)), empty)
     one, _ = run(ids[past : past + 1], np.array([past]), np.ones((1, past + 1), bool), pasts)
     mask = np.concatenate([np.ones((4, past), bool), np.tril(np.ones((4, 4), bool))], axis=1)

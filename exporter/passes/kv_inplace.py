@@ -1,0 +1,304 @@
+"""Past + new K/V concatenated inside every attention -> the new rows written into the past buffer.
+
+The traced base graph appends each layer's new K/V to the past inside the graph::
+
+    past_key_values.i.key (B, kv, P, hd) ─┐
+    present.i.key         (B, kv, S, hd) ─ Concat(axis=2) ─▶ (B, kv, P+S, hd) ─▶ attention
+
+so every call copies the whole cache once per layer and tensor, a cost that grows with the context.
+This pass turns the past input into the caller's buffer and writes the S new rows into it::
+
+    past_key_values.i.key (B, kv, P, hd) ─┐                                   P: the buffer's columns
+    new rows              (B, kv, S, hd) ─ TensorScatter(axis=2) ─▶ present.i.key (B, kv, P, hd) ─▶ attention
+    kv_write_index        (B,)           ─┘   row b's rows at columns [kv_write_index[b], +S)
+
+ONNX Runtime's CPU kernel writes in place when the output is bound to the input's memory (IO
+binding; :mod:`graphs.slots` does it), so only the S new rows move. The attention mask then spans the
+buffer's P columns (the new rows at each row's own write position), which the attention (fused or
+eager) consumes as before: a mask over key columns. The graph contract of the result is
+:func:`graphs.contract.inplace_base_spec`.
+
+Hand-written: no library rewrite targets ``TensorScatter`` (ONNX opset 24, built for exactly this
+cache update); onnxruntime-genai's in-place cache is ``GroupQueryAttention``'s shared buffer, whose
+CPU kernel refuses a batch of more than one sequence when more than one token is new
+("batch_size must be 1 when sequence_length > 1 and past context is given"), i.e. a batched tree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, version_converter
+
+from graphs import contract as C
+
+SCATTER_OPSET = 24  # the first ONNX opset with TensorScatter
+
+
+def write_in_place(proto: onnx.ModelProto, num_layers: int, q_heads: int, kv_heads: int, head_dim: int,
+                   base_dir=None) -> tuple[onnx.ModelProto, str]:
+    """Rewrite the base graph ``proto`` (every layer's K and V); returns (the new model, its K/V layout).
+
+    Layout ``"bsh"`` where every layer is the fused attention this project's passes write (the
+    compact form below); else ``"bhsd"`` (only the concatenations replaced). Raises ValueError when
+    a layer's past is not concatenated with its new rows as traced."""
+    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    if opset == SCATTER_OPSET - 1:
+        # 23 -> 24 only widens type lists (and gives Attention an optional input): the same graph.
+        # onnx's converter would stop at the com.microsoft norms the fusion wrote.
+        next(o for o in proto.opset_import if o.domain in ("", "ai.onnx")).version = SCATTER_OPSET
+    elif opset < SCATTER_OPSET:
+        proto = version_converter.convert_version(proto, SCATTER_OPSET)
+    compact = onnx.ModelProto()
+    compact.CopyFrom(proto)
+    try:
+        _compact(compact, num_layers, q_heads, kv_heads, head_dim, base_dir)
+        return compact, "bsh"
+    except _NoMatch:
+        _scatter_4d(proto, num_layers)
+        return proto, "bhsd"
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _scatter_4d(proto: onnx.ModelProto, num_layers: int) -> None:
+    """Each Concat(past, new) -> TensorScatter(past, new, kv_write_index), the (B, kv, P, hd) layout kept."""
+    g = proto.graph
+    pasts = {C.past_key(i): C.present_key(i) for i in range(num_layers)}
+    pasts |= {C.past_value(i): C.present_value(i) for i in range(num_layers)}
+    found = {}
+    for k, node in enumerate(g.node):
+        if node.op_type == "Concat" and len(node.input) == 2 and node.input[0] in pasts \
+                and node.input[1] == pasts[node.input[0]]:
+            axis = next((a.i for a in node.attribute if a.name == "axis"), None)
+            if axis not in (2, -2):
+                raise ValueError(f"{node.input[0]} is concatenated on axis {axis}, not the sequence axis")
+            found[node.input[0]] = k
+    missing = sorted(set(pasts) - set(found))
+    if missing:
+        raise ValueError(f"{len(missing)} past K/V inputs are not concatenated with their new rows as traced "
+                         f"(first: {missing[0]})")
+    rename = {}  # every use of a Concat's output reads the scattered buffer instead
+    for past, k in found.items():
+        node = g.node[k]
+        present = pasts[past]
+        new = "kv_new." + present[len("present."):]  # the S new rows, now internal
+        rename[node.output[0]] = present
+        for other in g.node:  # the producer of the new rows and its readers
+            other.output[:] = [new if x == present else x for x in other.output]
+            other.input[:] = [new if x == present else x for x in other.input]
+        scatter = helper.make_node("TensorScatter", [past, new, C.KV_WRITE], [present], axis=2,
+                                   name=f"kv_write/{present}")
+        g.node[k].CopyFrom(scatter)
+    for node in g.node:
+        node.input[:] = [rename.get(x, x) for x in node.input]
+    g.input.append(helper.make_tensor_value_info(C.KV_WRITE, TensorProto.INT64, [C.BATCH]))
+    for t in g.input:
+        if t.name == C.ATTENTION_MASK:
+            t.type.tensor_type.shape.dim[3].dim_param = C.PAST
+    for t in g.output:
+        if t.name.startswith("present."):
+            t.type.tensor_type.shape.dim[2].dim_param = C.PAST
+    del g.value_info[:]  # shapes inferred on the old layout (P+S) no longer hold
+
+
+def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int, base_dir=None) -> None:
+    """The fused attention block of every layer, in the (B, S, heads * hd) layout genai's graphs use::
+
+        q ─ Reshape ─ Transpose ─ RotaryEmbedding ─────────────────────────────┐
+        k ─ Reshape ─ Transpose ─ RotaryEmbedding ─ Concat(past, ·) ──────────  Attention ─ Transpose ─ Reshape ─▶
+        v ─ Reshape ─ Transpose ─────────────────── Concat(past, ·) ──────────┘
+    becomes::
+
+        q ─ RotaryEmbedding(num_heads) ──────────────────────────────────┐
+        k ─ RotaryEmbedding(num_heads) ─ TensorScatter(past, ·, axis=1) ─  Attention(q_num_heads, kv_num_heads) ─▶
+        v ──────────────────────────────── TensorScatter(past, ·, axis=1) ┘
+
+    with the K/V buffers (B, P, kv * hd) and each layer's cos/sin halves sliced once for all layers.
+    The same arithmetic (the ONNX ops' 3-D forms split heads as the Reshapes did); what the shape
+    plumbing computed becomes dead and is removed. Raises _NoMatch on anything else (a q/k norm
+    between the Reshape and the Transpose, partial rotary, ...): the caller keeps the 4-D layout."""
+    g = proto.graph
+    producer = {o: n for n in g.node for o in n.output}
+    inits = {t.name: t for t in g.initializer}
+    consts = {n.output[0]: n for n in g.node if n.op_type == "Constant"}
+
+    def const(name):
+        from onnx import numpy_helper
+
+        if name in inits:
+            return numpy_helper.to_array(inits[name]).reshape(-1).tolist()
+        if name in consts:
+            return numpy_helper.to_array(consts[name].attribute[0].t).reshape(-1).tolist()
+        return None
+
+    def op(name, kind):
+        n = producer.get(name)
+        if n is None or n.op_type != kind:
+            raise _NoMatch(f"{name}: not {kind}")
+        return n
+
+    def attrs(n):
+        return {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+
+    def heads_of(reshape, heads):
+        shape = const(reshape.input[1])
+        if shape is None:  # Concat(B, S, heads or -1, hd) of dynamic dims and constants
+            cat = op(reshape.input[1], "Concat")
+            tail = [const(x) for x in cat.input[2:]]
+            if len(cat.input) != 4 or None in tail:
+                raise _NoMatch("reshape target")
+            shape = [0, 0] + [t[0] for t in tail]
+        if shape[-1] != hd or shape[-2] not in (heads, -1):
+            raise _NoMatch(f"reshape to {shape}, not (B, S, {heads}, {hd})")
+
+    def split_heads(x4, heads):
+        """x4 = Transpose(Reshape(x3)) (B, heads, S, hd) -> x3 (B, S, heads * hd)."""
+        t = op(x4, "Transpose")
+        if attrs(t).get("perm") != [0, 2, 1, 3]:
+            raise _NoMatch("transpose")
+        r = op(t.input[0], "Reshape")
+        heads_of(r, heads)
+        return r.input[0]
+
+    attentions = [n for n in g.node if n.op_type == "Attention"]
+    if len(attentions) != num_layers:
+        raise _NoMatch("not one Attention per layer")
+    half = {}  # cos/sin (B, S, hd) -> its first half, sliced once
+    new_nodes, drop, out_rename = [], set(), {}
+    for att in attentions:
+        if len(att.input) != 4 or set(attrs(att)) - {"scale"}:
+            raise _NoMatch("attention inputs")
+        q4, k_all, v_all, mask = att.input
+        rq = op(q4, "RotaryEmbedding")
+        cat_k, cat_v = op(k_all, "Concat"), op(v_all, "Concat")
+        past_k, new_k = cat_k.input
+        past_v, new_v = cat_v.input
+        if not (past_k.startswith("past_key_values.") and past_v.startswith("past_key_values.")):
+            raise _NoMatch("concat of a past")
+        rk = op(new_k, "RotaryEmbedding")
+        if attrs(rq) or attrs(rk):  # interleaved / partial rotary: keep the 4-D graph
+            raise _NoMatch("rotary attributes")
+        q3, k3, v3 = split_heads(rq.input[0], nq), split_heads(rk.input[0], nkv), split_heads(new_v, nkv)
+        fused = _fuse_qkv(g, producer, inits, q3, k3, v3, base_dir)
+        if fused is not None:
+            new_nodes.append(("qkv", fused))
+        after_t = [n for n in g.node if att.output[0] in n.input]
+        if len(after_t) != 1 or after_t[0].op_type != "Transpose" or attrs(after_t[0]).get("perm") != [0, 2, 1, 3]:
+            raise _NoMatch("attention output transpose")
+        after_r = [n for n in g.node if after_t[0].output[0] in n.input]
+        if len(after_r) != 1 or after_r[0].op_type != "Reshape":
+            raise _NoMatch("attention output reshape")
+        out3 = after_r[0].output[0]
+        for cs in (rq.input[1], rq.input[2], rk.input[1], rk.input[2]):
+            sl = op(cs, "Slice")
+            if const(sl.input[1]) != [0] or const(sl.input[3]) not in ([2], [-1]):
+                raise _NoMatch("cos/sin slice")
+            if sl.input[0] not in half:
+                name = f"kv_rotary_half/{len(half)}"
+                half[sl.input[0]] = name
+                new_nodes.append(("head", [
+                    onnx.helper.make_node("Constant", [], [name + "/ends"], value_ints=[hd // 2]),
+                    onnx.helper.make_node("Constant", [], [name + "/starts"], value_ints=[0]),
+                    onnx.helper.make_node("Constant", [], [name + "/axes"], value_ints=[2]),
+                    onnx.helper.make_node("Slice", [sl.input[0], name + "/starts", name + "/ends", name + "/axes"],
+                                          [name])]))
+        layer = past_k[len("past_key_values."):].split(".")[0]
+        pk, pv = C.present_key(int(layer)), C.present_value(int(layer))
+        cq, sq = half[op(rq.input[1], "Slice").input[0]], half[op(rq.input[2], "Slice").input[0]]
+        ck, sk = half[op(rk.input[1], "Slice").input[0]], half[op(rk.input[2], "Slice").input[0]]
+        qr, kr = f"kv_q.{layer}", f"kv_new.{layer}.key"
+        new_nodes.append((att.name, [
+            onnx.helper.make_node("RotaryEmbedding", [q3, cq, sq], [qr], num_heads=nq, name=f"rotary/q.{layer}"),
+            onnx.helper.make_node("RotaryEmbedding", [k3, ck, sk], [kr], num_heads=nkv, name=f"rotary/k.{layer}"),
+            onnx.helper.make_node("TensorScatter", [past_k, kr, C.KV_WRITE], [pk], axis=1, name=f"kv_write/{pk}"),
+            onnx.helper.make_node("TensorScatter", [past_v, v3, C.KV_WRITE], [pv], axis=1, name=f"kv_write/{pv}"),
+            onnx.helper.make_node("Attention", [qr, pk, pv, mask], [out3], scale=attrs(att).get("scale", hd ** -0.5),
+                                  q_num_heads=nq, kv_num_heads=nkv, name=f"attention.{layer}")]))
+        drop.update(id(n) for n in (att, rq, rk, cat_k, cat_v, after_t[0], after_r[0]))
+        out_rename[pk], out_rename[pv] = pk, pv
+    # the old presents (4-D new rows) were graph outputs: the outputs are now the buffers
+    kept = [n for n in g.node if id(n) not in drop]
+    olds = {C.present_key(i) for i in range(num_layers)} | {C.present_value(i) for i in range(num_layers)}
+    for n in kept:  # the 4-D new rows under their old names: renamed, then dead
+        n.output[:] = ["kv_dead/" + x if x in olds else x for x in n.output]
+        n.input[:] = ["kv_dead/" + x if x in olds else x for x in n.input]
+    body = [x for _, nodes in new_nodes for x in nodes]
+    del g.node[:]
+    g.node.extend(kept + body)
+    g.input.append(onnx.helper.make_tensor_value_info(C.KV_WRITE, TensorProto.INT64, [C.BATCH]))
+    for t in list(g.input) + list(g.output):
+        if t.name.startswith(("past_key_values.", "present.")):
+            dims = t.type.tensor_type.shape.dim
+            del dims[:]
+            for d in (C.BATCH, C.PAST, nkv * hd):
+                dims.add().CopyFrom(onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [d]).type.tensor_type
+                                    .shape.dim[0])
+        elif t.name == C.ATTENTION_MASK:
+            t.type.tensor_type.shape.dim[3].dim_param = C.PAST
+    del g.value_info[:]
+    _topological(g)
+    _remove_dead(g)  # (walks back from the outputs: needs the order)
+
+
+def _fuse_qkv(g, producer: dict, inits: dict, q3: str, k3: str, v3: str, base_dir) -> list | None:
+    """q, k and v projections of one input, each a MatMul by a constant (K, N) weight -> one MatMul by
+    the weights side by side and a Split: one weight stream and one kernel call instead of three.
+    Each output column is the same dot product as before (parity checks it). None when the three
+    are not such MatMuls (biases, quantized weights, shared weights): they stay as they are."""
+    from onnx import numpy_helper
+
+    mms = [producer.get(x) for x in (q3, k3, v3)]
+    if any(m is None or m.op_type != "MatMul" or m.input[1] not in inits for m in mms):
+        return None
+    if len({m.input[0] for m in mms}) != 1 or len({m.input[1] for m in mms}) != 3:
+        return None
+    ws = [numpy_helper.to_array(inits[m.input[1]], base_dir=str(base_dir) if base_dir else "") for m in mms]
+    if any(w.ndim != 2 for w in ws) or len({w.shape[0] for w in ws}) != 1:
+        return None
+    name = mms[0].input[1] + "/qkv"
+    g.initializer.append(numpy_helper.from_array(np.concatenate(ws, axis=1), name))
+    out = mms[0].output[0] + "/qkv"
+    for m in mms:  # the three MatMuls become dead (their outputs are renamed to the Split's)
+        m.output[0] = "kv_dead/" + m.output[0]
+    split = numpy_helper.from_array(np.array([w.shape[1] for w in ws], dtype=np.int64), name + "/split")
+    g.initializer.append(split)
+    return [onnx.helper.make_node("MatMul", [mms[0].input[0], name], [out], name=name + "/MatMul"),
+            onnx.helper.make_node("Split", [out, split.name], [q3, k3, v3], axis=-1, name=name + "/Split")]
+
+
+def _remove_dead(g) -> None:
+    needed = {o.name for o in g.output}
+    keep = []
+    for n in reversed(list(g.node)):
+        if any(o in needed for o in n.output):
+            keep.append(n)
+            needed.update(x for x in n.input if x)
+    keep.reverse()
+    del g.node[:]
+    g.node.extend(keep)
+    used = {x for n in g.node for x in n.input}
+    inits = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(inits)
+
+
+def _topological(g) -> None:
+    """Order nodes so each comes after its inputs' producers (the new nodes were appended)."""
+    ready = {t.name for t in g.input} | {t.name for t in g.initializer} | {""}
+    pending, out = list(g.node), []
+    while pending:
+        rest = []
+        for n in pending:
+            if all(x in ready for x in n.input):
+                out.append(n)
+                ready.update(n.output)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):
+            raise ValueError("the rewritten graph has a cycle or a missing input")
+        pending = rest
+    del g.node[:]
+    g.node.extend(out)

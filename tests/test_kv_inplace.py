@@ -1,0 +1,195 @@
+"""K/V written in place (exporter.passes.kv_inplace, graphs.sessions.InPlaceRun, the caches' commit).
+
+The optimized base writes each row's new K/V into the caller's buffer at that row's own column
+instead of concatenating the cache in every layer. Against the same fused graph with the traced
+concatenation kept (``kv_in_place=False``): non-causal trees, a batch whose rows have different
+lengths (so different write columns) and garbage in every column a row may not see; the written
+rows must be the concat graph's new K/V and nothing else in the buffers may change. Then the caches'
+in-place commit against the copy-in commit, and the pass's refusal of a graph it does not know.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from exporter.loading import UserError
+from exporter.optimize import optimize_export
+from graphs import contract as C
+from graphs.kv import KVCache
+from graphs.manifest import Manifest, sha256_file
+from graphs.sessions import InPlaceRun, make_session
+from graphs.slots import SlotCache
+
+QUIET = dict(progress=None, time_gain=False, tune=False)
+
+
+@pytest.fixture(scope="module")
+def pair(exported, tmp_path_factory):
+    """(in-place export, concat export) of the tiny Medusa model, otherwise the same passes."""
+    outs = []
+    for in_place in (True, False):
+        out = tmp_path_factory.mktemp(f"kv-{in_place}") / "out"
+        shutil.copytree(exported("medusa"), out)
+        optimize_export(out, kv_in_place=in_place, **QUIET)
+        outs.append(out)
+    return outs
+
+
+def _tree(rng, s: int) -> np.ndarray:
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, s)]
+    m = np.zeros((s, s), dtype=bool)
+    for i in range(s):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def test_the_pass_and_the_contract(pair):
+    ip, cat = pair
+    m, mc = Manifest.read(ip), Manifest.read(cat)
+    spec = m.graphs["base"]
+    assert C.kv_in_place(spec) and not C.kv_in_place(mc.graphs["base"])
+    assert spec.inputs[-1].name == C.KV_WRITE and spec.input(C.ATTENTION_MASK).dims[-1] == C.PAST
+    assert spec.output(C.present_key(0)).dims[2] == C.PAST
+    assert m.optimization["base"]["passes"][-1] == "kv" and "kv" not in mc.optimization["base"]["passes"]
+    ops = [n.op_type for n in onnx.load(str(ip / "base.onnx"), load_external_data=False).graph.node]
+    layers = m.source["num_layers"]
+    assert ops.count("TensorScatter") == 2 * layers
+    cat_ops = [n.op_type for n in onnx.load(str(cat / "base.onnx"), load_external_data=False).graph.node]
+    assert cat_ops.count("Concat") - ops.count("Concat") == 2 * layers  # every past+new concatenation gone
+    assert not C.kv_in_place(m.graphs["draft"])  # the Medusa heads have no K/V
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_in_place_equals_concat_on_trees_with_rows_of_different_lengths(pair, seed):
+    ip, cat = pair
+    m = Manifest.read(ip)
+    src = m.source
+    layers, kvh, hd, vocab = src["num_layers"], src["num_kv_heads"], src["head_dim"], src["vocab_size"]
+    rng = np.random.default_rng(seed)
+    lens = np.array([5, 9, 2])  # each row's committed columns
+    bsz, s, cap = len(lens), 4, 16
+    ids = rng.integers(0, vocab, (bsz, s))
+    trees = np.stack([_tree(rng, s) for _ in range(bsz)])
+    depth = trees.sum(-1) - 1
+    pos = lens[:, None] + depth
+    # the in-place buffers: real past in [0, lens), garbage everywhere else (old rejected rows)
+    bufs = [rng.standard_normal((bsz, kvh, cap, hd)).astype(np.float32) for _ in range(2 * layers)]
+    before = [b.copy() for b in bufs]
+    mask = np.zeros((bsz, 1, s, cap), dtype=bool)
+    for b in range(bsz):
+        mask[b, 0, :, : lens[b]] = True
+        mask[b, 0, :, lens[b] : lens[b] + s] = trees[b]
+    names = [n for i in range(layers) for n in (C.past_key(i), C.past_value(i))]
+    run = InPlaceRun(make_session(ip / "base.onnx", "cpu", 1), m.graphs["base"])
+    got = run.run({C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.KV_WRITE: lens},
+                  dict(zip(names, bufs)))
+    # the concat graph: the same pasts padded to the longest row, holes masked
+    p = int(lens.max())
+    cmask = np.zeros((bsz, 1, s, p + s), dtype=bool)
+    for b in range(bsz):
+        cmask[b, 0, :, : lens[b]] = True
+        cmask[b, 0, :, p:] = trees[b]
+    spec_c = Manifest.read(cat).graphs["base"]
+    sess = make_session(cat / "base.onnx", "cpu", 1)
+    feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: cmask}
+    feed |= {n: before[j][:, :, :p] for j, n in enumerate(names)}
+    want = dict(zip(spec_c.output_names, sess.run(spec_c.output_names, feed)))
+    np.testing.assert_allclose(got[C.LOGITS], want[C.LOGITS], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got[C.HIDDEN], want[C.HIDDEN], atol=2e-5, rtol=1e-5)
+    assert C.present_key(0) not in got  # the presents are the buffers themselves
+    for j, n in enumerate(names):
+        present = want["present." + n[len("past_key_values."):]]  # (B, kv, S, hd)
+        for b in range(bsz):
+            w = slice(lens[b], lens[b] + s)
+            np.testing.assert_allclose(bufs[j][b, :, w], present[b], atol=2e-5, rtol=1e-5)
+            outside = np.ones(cap, dtype=bool)
+            outside[w] = False
+            assert np.array_equal(bufs[j][b, :, outside], before[j][b, :, outside]), f"{n} row {b}: wrote outside"
+
+
+def test_slot_cache_commit_in_place_equals_copy_in():
+    rng = np.random.default_rng(3)
+    layers, slots, kvh, hd, s = 2, 3, 2, 4, 5
+    a = SlotCache(layers, slots, kvh, hd, np.float32, max_len=32, headroom=8)
+    b = SlotCache(layers, slots, kvh, hd, np.float32, max_len=32, headroom=8)
+    for c in (a, b):
+        for _ in range(slots):
+            c.add_row()
+        c.reserve(16)
+        c.lens[:slots] = [3, 7, 0]
+    for c in (a, b):
+        for bufs in (c.keys, c.values):
+            for i in range(layers):
+                bufs[i][:] = np.arange(bufs[i].size, dtype=np.float32).reshape(bufs[i].shape)
+    presents = [rng.standard_normal((slots, kvh, s, hd)).astype(np.float32) for _ in range(2 * layers)]
+    # what the in-place graph did: each row's S new rows written at its length
+    starts = a.write_columns()
+    for j, buf in enumerate(x for i in range(layers) for x in (a.keys[i], a.values[i])):
+        for r in range(slots):
+            buf[r, :, starts[r] : starts[r] + s] = presents[j][r]
+    idx = np.array([[0, 2, 4], [0, 1, 0], [0, 3, 0]])  # a tree path, a chain prefix, a jump
+    counts = np.array([3, 2, 2])
+    a.commit(None, idx, counts)
+    b.commit(presents, idx, counts)
+    assert np.array_equal(a.lens, b.lens)
+    for i in range(layers):
+        for r in range(slots):
+            n = int(a.lens[r])  # columns past a row's length are free (garbage) in both layouts
+            assert np.array_equal(a.keys[i][r, :, :n], b.keys[i][r, :, :n])
+            assert np.array_equal(a.values[i][r, :, :n], b.values[i][r, :, :n])
+
+
+def test_kv_cache_append_in_place_equals_copy_in():
+    rng = np.random.default_rng(4)
+    layers, bsz, kvh, hd, s = 2, 2, 2, 4, 4
+    a, b = (KVCache(layers, bsz, kvh, hd, np.float32) for _ in range(2))
+    for c in (a, b):
+        c.append([np.ones((bsz, kvh, 3, hd), np.float32)] * (2 * layers), np.arange(3)[None].repeat(bsz, 0),
+                 np.array([3, 3]))
+    presents = [rng.standard_normal((bsz, kvh, s, hd)).astype(np.float32) for _ in range(2 * layers)]
+    a.reserve_columns(a.w + s)
+    w = int(a.write_columns()[0])
+    for j, buf in enumerate(x for i in range(layers) for x in (a.keys[i], a.values[i])):
+        buf[:, :, w : w + s] = presents[j]
+    idx, counts = np.array([[0, 2], [0, 3]]), np.array([2, 1])
+    assert a.append(None, idx, counts) == b.append(presents, idx, counts)
+    assert np.array_equal(a.valid, b.valid)
+    for i in range(layers):
+        assert np.array_equal(a.keys[i][:, :, : a.w], b.keys[i][:, :, : b.w])
+        assert np.array_equal(a.values[i][:, :, : a.w], b.values[i][:, :, : b.w])
+
+
+def test_a_graph_without_the_traced_concatenation_is_refused(exported, tmp_path):
+    """Another exporter's graph (the past not concatenated with the new rows as traced): a one-line
+    error naming --no-kv-in-place, the export untouched."""
+    out = tmp_path / "out"
+    shutil.copytree(exported("medusa"), out)
+    proto = onnx.load(str(out / "base.onnx"))
+    for node in proto.graph.node:  # Concat(past, new) -> Concat(new, past): not the traced pattern
+        if node.op_type == "Concat" and node.input and node.input[0] == C.past_key(0):
+            node.input[0], node.input[1] = node.input[1], node.input[0]
+    onnx.save(proto, str(out / "base.onnx"))
+    mf = json.loads((out / "manifest.json").read_text())
+    mf["files"]["base.onnx"] = sha256_file(out / "base.onnx")
+    (out / "manifest.json").write_text(json.dumps(mf))
+    before = (out / "base.onnx").read_bytes()
+    with pytest.raises(UserError, match="--no-kv-in-place"):
+        optimize_export(out, **QUIET)
+    assert (out / "base.onnx").read_bytes() == before
+    assert not Manifest.read(out).optimization
+
+
+def test_kv_in_place_is_cpu_only():
+    from exporter.optimizing import OptimizeOptions
+
+    assert OptimizeOptions().writes_kv_in_place and not OptimizeOptions(target="cuda").writes_kv_in_place
+    with pytest.raises(UserError, match="--target cpu"):
+        OptimizeOptions(target="cuda", kv_in_place=True)
