@@ -223,6 +223,9 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
     quant = graph_quantization(out_dir, manifest)
     report = CompareReport(dtype=dtype, device=device, tolerance=asdict(tols["base"]),
                            tolerances={role: asdict(t) for role, t in tols.items()}, quantization=quant)
+    src = manifest.source
+    # the cases are built for the traced contract; run_case adapts them to a base that writes K/V in place
+    traced = {r: C.concat_base_spec(s, src["num_kv_heads"], src["head_dim"]) for r, s in specs.items()}
     for role in specs:
         spec, tol = specs[role], tols[role]
         session = _session(make_session, out_dir / spec.file, provider, dtype)
@@ -236,7 +239,7 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
 
                 cases = tree_cases(model, spec)
             else:
-                cases = base_cases(model, specs["base"]) if role == "base" else draft_cases(model, specs)
+                cases = base_cases(model, traced["base"]) if role == "base" else draft_cases(model, traced)
         except Exception as e:  # the reference itself failed: a failure, never a skip
             report.rows.append(error_row(role, "traced_reference", e))
             cases = []
@@ -255,11 +258,11 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
                 rows = _tree_agreement_only(rows, ref_d, got_d)
             report.rows += rows
         if role == "base":
-            report.rows += hf_rows(model, session, spec, tol, quant[role])
+            report.rows += hf_rows(model, session, spec, tol, quant[role], traced[role])
             if distance or quant[role] != "none":
                 try:
                     report.distance.append(held_out_row(model, session, spec, out_dir, manifest, quant[role],
-                                                        text, text_tokens))
+                                                        text, text_tokens, traced[role]))
                 except Exception as e:
                     report.rows.append(error_row(role, "held_out_text", e))
         del session  # one graph's weights in memory at a time
@@ -317,10 +320,11 @@ def output_rows(role: str, case: str, spec: C.GraphSpec, ref: dict[str, np.ndarr
     return rows
 
 
-def hf_rows(model, session, spec: C.GraphSpec, tol: Tolerance, quantization: str = "none") -> list[Row]:
+def hf_rows(model, session, spec: C.GraphSpec, tol: Tolerance, quantization: str = "none",
+            traced: C.GraphSpec | None = None) -> list[Row]:
     """The base graph against HF's own forward and cache (exporter.hf_reference): causal cases."""
     try:
-        cases = hf_base_cases(model, spec)
+        cases = hf_base_cases(model, traced or spec)
     except Exception as e:
         return [error_row("base", "hf_reference", e)]
     rows = []
@@ -335,7 +339,7 @@ def hf_rows(model, session, spec: C.GraphSpec, tol: Tolerance, quantization: str
 
 
 def held_out_row(model, session, spec: C.GraphSpec, out_dir: Path, manifest: Manifest, quantization: str,
-                 text: str | None, max_tokens: int) -> DistanceRow:
+                 text: str | None, max_tokens: int, traced: C.GraphSpec | None = None) -> DistanceRow:
     """Held-out text teacher-forced through HF's own forward and the base graph (one prefill each)."""
     vocab = spec.output(C.LOGITS).dims[-1]
     ids, what = held_out_ids(out_dir, manifest, text, max_tokens, vocab)
@@ -343,7 +347,7 @@ def held_out_row(model, session, spec: C.GraphSpec, out_dir: Path, manifest: Man
     s = ids_t.shape[1]
     with torch.no_grad():
         ref = model(ids_t).logits[0].float().numpy()  # (S, V)
-    k0 = spec.input(C.past_key(0))
+    k0 = (traced or spec).input(C.past_key(0))
     n_layers = sum(1 for t in spec.inputs if t.name.endswith(".key"))
     empty = [torch.zeros(1, k0.dims[1], 0, k0.dims[3]) for _ in range(2 * n_layers)]
     got = run_case(session, spec, [ids_t, torch.arange(s)[None], causal_bool_mask(1, s, 0), *empty])[0][0]
@@ -382,6 +386,8 @@ def check_same_model(model, specs: dict[str, C.GraphSpec], dtype: str, out_dir: 
             f"compare it with the model_dir (and --drafter) it was exported from"
         )
     for role, spec in want.items():
+        if C.kv_in_place(specs[role]):  # optimized: the same contract with its K/V written in place
+            spec = C.inplace_base_spec(spec, C.kv_layout(specs[role]))
         if spec.to_json() != specs[role].to_json():
             raise UserError(
                 f"the {role} graph in {out_dir} does not have this model's inputs/outputs (other sizes or "

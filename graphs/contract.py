@@ -223,6 +223,22 @@ def inplace_base_spec(spec: GraphSpec, layout: str = "bhsd") -> GraphSpec:
     return GraphSpec(file=spec.file, inputs=tuple(inputs), outputs=tuple(outputs))
 
 
+def concat_base_spec(spec: GraphSpec, kv_heads: int, head_dim: int) -> GraphSpec:
+    """The inverse of :func:`inplace_base_spec`: the traced contract of an in-place base graph (what
+    its feeds are built for before :func:`graphs.kv.as_inplace_feed` adapts them)."""
+    if not kv_in_place(spec):
+        return spec
+
+    def kv(t: TensorSpec, seq: str) -> TensorSpec:
+        return TensorSpec(t.name, t.dtype, (BATCH, kv_heads, seq, head_dim))
+
+    inputs = tuple(TensorSpec(t.name, t.dtype, (BATCH, 1, SEQ, TOTAL)) if t.name == ATTENTION_MASK
+                   else kv(t, PAST) if t.name.startswith("past_key_values.") else t
+                   for t in spec.inputs if t.name != KV_WRITE)
+    outputs = tuple(kv(t, SEQ) if t.name.startswith("present.") else t for t in spec.outputs)
+    return GraphSpec(file=spec.file, inputs=inputs, outputs=outputs)
+
+
 def kv_in_place(spec: GraphSpec) -> bool:
     """Whether the graph writes its new K/V into the past buffers (see the module docstring)."""
     return KV_WRITE in spec.input_names

@@ -40,6 +40,10 @@ def pair(exported, tmp_path_factory):
     return outs
 
 
+def src_kv_width(m) -> int:
+    return m.source["num_kv_heads"] * m.source["head_dim"]
+
+
 def _tree(rng, s: int) -> np.ndarray:
     parents = [-1] + [int(rng.integers(0, i)) for i in range(1, s)]
     m = np.zeros((s, s), dtype=bool)
@@ -57,13 +61,17 @@ def test_the_pass_and_the_contract(pair):
     spec = m.graphs["base"]
     assert C.kv_in_place(spec) and not C.kv_in_place(mc.graphs["base"])
     assert spec.inputs[-1].name == C.KV_WRITE and spec.input(C.ATTENTION_MASK).dims[-1] == C.PAST
-    assert spec.output(C.present_key(0)).dims[2] == C.PAST
+    assert spec.output(C.present_key(0)).dims == spec.input(C.past_key(0)).dims  # the buffer itself
     assert m.optimization["base"]["passes"][-1] == "kv" and "kv" not in mc.optimization["base"]["passes"]
     ops = [n.op_type for n in onnx.load(str(ip / "base.onnx"), load_external_data=False).graph.node]
     layers = m.source["num_layers"]
     assert ops.count("TensorScatter") == 2 * layers
     cat_ops = [n.op_type for n in onnx.load(str(cat / "base.onnx"), load_external_data=False).graph.node]
-    assert cat_ops.count("Concat") - ops.count("Concat") == 2 * layers  # every past+new concatenation gone
+    assert cat_ops.count("Concat") - ops.count("Concat") >= 2 * layers  # every past+new concatenation gone
+    # the compact layout: no head split/merge around attention, q/k/v one MatMul
+    assert m.optimization["base"]["fused"]["kv_layout"] == "bsh" and "Transpose" not in ops and "Reshape" not in ops
+    assert ops.count("Split") == layers and ops.count("MatMul") == cat_ops.count("MatMul") - 2 * layers
+    assert spec.input(C.past_key(0)).dims == (C.BATCH, C.PAST, src_kv_width(m))
     assert not C.kv_in_place(m.graphs["draft"])  # the Medusa heads have no K/V
 
 
@@ -88,9 +96,13 @@ def test_in_place_equals_concat_on_trees_with_rows_of_different_lengths(pair, se
         mask[b, 0, :, : lens[b]] = True
         mask[b, 0, :, lens[b] : lens[b] + s] = trees[b]
     names = [n for i in range(layers) for n in (C.past_key(i), C.past_value(i))]
+    bsh = C.kv_layout(m.graphs["base"]) == "bsh"
+    assert bsh  # the fused tiny Llama gets the compact layout; 4-D: test_other_architectures_...
+    graph_bufs = [np.ascontiguousarray(b.transpose(0, 2, 1, 3).reshape(bsz, cap, kvh * hd)) for b in bufs]
     run = InPlaceRun(make_session(ip / "base.onnx", "cpu", 1), m.graphs["base"])
     got = run.run({C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.KV_WRITE: lens},
-                  dict(zip(names, bufs)))
+                  dict(zip(names, graph_bufs)))
+    bufs = [g.reshape(bsz, cap, kvh, hd).transpose(0, 2, 1, 3) for g in graph_bufs]  # what the graph wrote
     # the concat graph: the same pasts padded to the longest row, holes masked
     p = int(lens.max())
     cmask = np.zeros((bsz, 1, s, p + s), dtype=bool)
@@ -193,3 +205,33 @@ def test_kv_in_place_is_cpu_only():
     assert OptimizeOptions().writes_kv_in_place and not OptimizeOptions(target="cuda").writes_kv_in_place
     with pytest.raises(UserError, match="--target cpu"):
         OptimizeOptions(target="cuda", kv_in_place=True)
+
+
+@pytest.mark.parametrize(("model_type", "kind", "layout"), [("qwen3", "medusa", "bhsd"), ("qwen2", "eagle3", "bsh")])
+def test_other_architectures_pick_their_layout_and_stay_exact(tiny_model_dir, exported, tmp_path, model_type, kind,
+                                                              layout):
+    """Qwen3's per-head q/k norms sit between the head split and the rotary: the 4-D in-place form
+    (only the concatenations replaced). Qwen2's q/k/v biases: the compact form without the QKV fusion.
+    Both match PyTorch on compare's cases, and speculative == autoregressive for a batch of prompts
+    of different lengths on them."""
+    import graphs
+    from exporter.loading import load_model
+    from exporter.validate import compare_model
+
+    out = tmp_path / "out"
+    shutil.copytree(exported(kind, model_type), out)
+    optimize_export(out, **QUIET)
+    m = Manifest.read(out)
+    assert C.kv_in_place(m.graphs["base"]) and C.kv_layout(m.graphs["base"]) == layout
+    assert m.optimization["base"]["fused"]["kv_layout"] == layout
+    ops = [n.op_type for n in onnx.load(str(out / "base.onnx"), load_external_data=False).graph.node]
+    assert ops.count("TensorScatter") == 2 * m.source["num_layers"]
+    if model_type == "qwen2":
+        assert "Split" not in ops  # biased projections are left alone
+    report = compare_model(load_model(tiny_model_dir(kind, model_type)), out)
+    assert report.ok, report.table()
+    dec = graphs.load(out, provider="cpu", threads=1)
+    prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 2, 9], [11]]
+    ar = dec.generate(prompts, max_new_tokens=16, mode="autoregressive")
+    sp = dec.generate(prompts, max_new_tokens=16, mode="speculative")
+    assert [r.token_ids for r in sp] == [r.token_ids for r in ar]
