@@ -456,3 +456,87 @@ def test_unparseable_tokenizer_is_one_clear_error(exported, tmp_path):
     (d / "manifest.json").write_text(_json.dumps(m))
     with pytest.raises(ArtifactError, match="is not a tokenizer tokenizers can read"):
         load(d, verify="full")
+
+
+# ----------------------------------------------------------------------------- allocation failures (issue 19)
+
+_ALLOC_SCRIPT = r"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # the 40 GB can never be had, on any machine
+import numpy as np
+from onnx import TensorProto, helper, save
+from graphs.errors import GraphMemoryError
+from graphs.sessions import make_session
+n = helper.make_node("ConstantOfShape", ["shape"], ["y"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0]))
+r = helper.make_node("ReduceSum", ["y"], ["z"], keepdims=0)
+g = helper.make_graph([n, r], "g", [helper.make_tensor_value_info("shape", TensorProto.INT64, [1])],
+                      [helper.make_tensor_value_info("z", TensorProto.FLOAT, [])])
+save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), sys.argv[1])
+s = make_session(sys.argv[1], "cpu", 1)
+try:
+    s.run(None, {"shape": np.array([10**10], dtype=np.int64)})
+except GraphMemoryError as e:
+    print(e)
+"""
+
+
+def test_graph_asking_for_40_gb_is_one_clear_error(tmp_path):
+    """A ConstantOfShape that would allocate 40 GB gave ONNX Runtime's raw error (and its own log line on
+    stderr). A real allocation failure (the child's address space capped at 4 GB, so it fails on any
+    machine) now surfaces at the session-run boundary as a GraphMemoryError naming the size, the node
+    and what to do; ONNX Runtime prints nothing."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _ALLOC_SCRIPT, str(tmp_path / "big.onnx")], capture_output=True,
+                          text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("big.onnx asked ONNX Runtime for 40.0 GB in a ConstantOfShape node, more than "
+                                   "this machine could give; use a shorter prompt, a smaller batch or tree (or more "
+                                   "memory), and re-export the model if its graphs were edited"), proc.stdout
+    assert "onnxruntime" not in proc.stderr and "bfc_arena" not in proc.stderr, proc.stderr
+
+
+def test_allocation_failure_in_generate_is_one_line_exit_2(exported, monkeypatch, capsys):
+    """Through the command line: the base graph's run failing to allocate (hooked: ONNX Runtime's own
+    exception and text) is one ``error:`` line, exit 2, no traceback."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    import graphs.sessions as S
+    from exporter.generate import main
+    from helpers import one_line
+
+    out = exported("medusa")  # built before the hook
+    real = S.ort.InferenceSession
+
+    class Hooked:
+        def __init__(self, path, **kw):
+            self._s, self._base = real(path, **kw), Path(path).name == "base.onnx"
+
+        def __getattr__(self, name):
+            return getattr(self._s, name)
+
+        def run(self, *a):
+            if self._base:
+                raise ort_state.Fail("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running "
+                                     "ConstantOfShape node. Name:'' Status Message: bfc_arena.cc:360 Failed to "
+                                     "allocate memory for requested buffer of size 40000000000")
+            return self._s.run(*a)
+
+    monkeypatch.setattr(S.ort, "InferenceSession", Hooked)
+    rc = main([str(out), "--prompt", "hi", "--max-new-tokens", "4"])
+    one_line(rc, capsys.readouterr().err, "base.onnx asked ONNX Runtime for 40.0 GB in a ConstantOfShape node",
+             "use a shorter prompt")
+
+
+def test_other_run_errors_are_not_taken_for_memory(tmp_path):
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    from graphs.sessions import Session
+
+    class Raw:
+        def run(self, *a):
+            raise ort_state.InvalidArgument("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : bad rank")
+
+    with pytest.raises(ort_state.InvalidArgument):
+        Session(Raw(), tmp_path / "x.onnx").run(None, {})
