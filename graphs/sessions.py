@@ -250,6 +250,13 @@ def base_precision(optimization: dict, source_dtype: str = "float32") -> dict:
             "passes": list(rec.get("passes", []))}
 
 
+def _words(value) -> str:
+    """A base_precision field as the warning says it: ``None`` / ``[]`` -> "none", passes joined by "+"."""
+    if isinstance(value, (list, tuple)):
+        return "+".join(map(str, value)) or "none"
+    return "none" if value is None else str(value)
+
+
 def warn_if_tree_stale(tree: dict, optimization: dict, source_dtype: str = "float32", out_dir: str = "") -> bool:
     """Warn when the default tree was tuned (``python -m exporter.tune``) on other base graphs.
 
@@ -263,12 +270,13 @@ def warn_if_tree_stale(tree: dict, optimization: dict, source_dtype: str = "floa
     if "graphs" not in tuned:  # hand-picked defaults, or tuned before this record existed
         return False
     now = base_precision(optimization, source_dtype)
-    if tuned["graphs"] == now:
+    was = tuned["graphs"] if isinstance(tuned["graphs"], dict) else {}
+    diffs = [f"{label}: {_words(was[key])}, now {_words(now[key])}"
+             for key, label in (("dtype", "dtype"), ("quantization", "quantization"), ("passes", "optimize passes"))
+             if key in was and _words(was[key]) != _words(now[key])]  # a field the record lacks proves nothing
+    if not diffs:
         return False
-    was = tuned["graphs"]
-    warnings.warn(f"{out_dir or 'this export'}: the default tree was tuned on {was['dtype']}"
-                  f"{'/' + was['quantization'] if was.get('quantization') else ''} base graphs, these are "
-                  f"{now['dtype']}{'/' + now['quantization'] if now.get('quantization') else ''}: it decodes "
-                  f"the same but may not be the fastest; re-tune with python -m exporter.tune {out_dir or 'OUT_DIR'}",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(f"{out_dir or 'this export'}: the default tree was tuned on other base graphs ({'; '.join(diffs)}): "
+                  f"it decodes the same but may not be the fastest; re-tune with python -m exporter.tune "
+                  f"{out_dir or 'OUT_DIR'}", RuntimeWarning, stacklevel=3)
     return True
