@@ -203,6 +203,15 @@ def _preview(tmp: Path, manifest: Manifest) -> Path:
     return view
 
 
+def roles_done(records: dict) -> str:
+    """What optimize did to each graph, for its messages: "base: attention+rotary+norms+int4; draft: unchanged"
+    (a role with no pass is "unchanged": the final line ended in "draft " and the already-optimized one
+    in "draft: )")."""
+    parts = [f"{role}: {'+'.join(map(str, rec.get('passes') or [])) or 'unchanged'}"
+             for role, rec in records.items() if isinstance(rec, dict)]
+    return "; ".join(parts) or "nothing changed"
+
+
 def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", progress=print, tune: bool = False,
                     tune_budget_s: float | None = None, tune_prompts: list[str] | None = None,
                     tune_threads: int | None = None, **opts) -> dict:
@@ -229,10 +238,8 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
     out_dir = Path(out_dir).absolute()
     manifest = _read_export(out_dir)
     if manifest.optimization:
-        done = "; ".join(f"{r}: {'+'.join(map(str, v.get('passes') or [])) or 'no passes'}"
-                         + (f", {v['quantization']}" if v.get("quantization") not in (None, "none") else "")
-                         for r, v in manifest.optimization.items() if isinstance(v, dict))
-        raise UserError(f"{out_dir} is already optimized ({done}); passes apply to the raw trace only: "
+        raise UserError(f"{out_dir} is already optimized ({roles_done(manifest.optimization)}); passes apply to "
+                        f"the raw trace only: "
                         f"re-export it (python -m exporter.export) and optimize that")
     if manifest.source.get("dtype", "float32") != "float32":
         raise UserError(f"{out_dir} holds {manifest.source.get('dtype')} graphs; optimize a float32 export "
@@ -279,8 +286,7 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
         "gain": gain,
         "seconds": time.perf_counter() - t_start,
     }
-    log(f"optimized {out_dir} in {summary['seconds']:.1f} s: "
-        + "; ".join(f"{r} {'+'.join(v['passes'])}" for r, v in records.items()), flush=True)
+    log(f"optimized {out_dir} in {summary['seconds']:.1f} s: {roles_done(records)}", flush=True)
     if tune:
         budget = O.TUNE_BUDGET_S if tune_budget_s is None else tune_budget_s
         summary["tune"] = _retune(out_dir, options, manifest, budget, tune_prompts, tune_threads, log)
