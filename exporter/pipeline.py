@@ -142,12 +142,14 @@ def _export(target: OutDir, model_dir: Path, out_dir: Path, opts: ExportOptions,
     from exporter.trace import trace_graphs
     from exporter.validate import validate_export
 
+    had_export = (Path(os.path.realpath(out_dir)) / MANIFEST).is_file()
     tmp = target.open()
     steps = Steps(5, log)
     try:
         with steps(f"load {model_dir}"):
             model = load(model_dir, drafter=opts.drafter, trust_remote_code=opts.trust_remote_code)
         plan = build_plan(model, model_dir, dtype=opts.dtype, opset=opts.opset, eagle_trees=opts.eagle_trees)
+        check_export_space(model, opts.dtype, tmp.parent, out_dir)
         if plan.drafter is None:
             log("note: no drafter in this model: exporting the base graph alone (autoregressive decoding)")
         trace_graphs(model, plan, tmp, external_data_bytes=opts.external_data_bytes, steps=steps)
@@ -160,8 +162,42 @@ def _export(target: OutDir, model_dir: Path, out_dir: Path, opts: ExportOptions,
         with steps(f"write {out_dir}"):
             target.commit(manifest)  # rehashes, writes the manifest, re-checks out_dir under the lock, moves
         return manifest
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        kept = f"the earlier export in {out_dir} is untouched" if had_export else f"{out_dir} was not created"
+        where = f" (writing {Path(e.filename).name})" if isinstance(e, OSError) and e.filename else ""
+        raise UserError(f"disk full while writing the export beside {out_dir}{where}; nothing was written and {kept}: "
+                        f"free some space and export again") from None
     finally:
         target.close()  # removes tmp unless it was moved into place; releases the lock
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(e: BaseException) -> bool:
+    """An out-of-space failure: an OSError with ENOSPC / EDQUOT, or a wrapped one (torch's C++ writer
+    reports it as a RuntimeError holding the system's words)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return True
+        if any(os.strerror(n) in str(e) for n in _DISK_FULL):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def check_export_space(model, dtype: str, where: Path, out_dir: Path) -> None:
+    """Fail before tracing when the disk cannot hold even the weights once (the graphs store every
+    parameter at least once, at the export's dtype): the trace would fill it and fail minutes later."""
+    need = sum(p.numel() for p in model.parameters()) * {"float16": 2, "bfloat16": 2}.get(dtype, 4)
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise UserError(f"not enough disk space for the export beside {out_dir}: its weights alone take "
+                        f"{need / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; free some space or pick another out_dir")
 
 
 # ----------------------------------------------------------------------------- updates of an export
