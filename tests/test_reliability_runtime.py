@@ -296,6 +296,22 @@ def test_replaced_file_and_edited_manifest_are_caught(exported, tmp_path, counte
         load(d)
 
 
+def test_a_write_through_a_shared_mmap_is_caught_by_the_full_check(exported, tmp_path, counted):
+    """Issue 19: writes through a shared writable mmap may leave size, mtime and ctime as the proof record
+    has them, so the fast check (``verify="auto"``) is documented as not proving those bytes
+    (docs/reliability.md); what it documents as the remedy, ``verify="full"``, catches them. (Whether the
+    auto check notices depends on when the kernel stamps the page: not asserted.)"""
+    import mmap
+
+    d = copy(exported("medusa"), tmp_path / "mapped")
+    load(d)  # hashed, the record kept
+    with open(d / "base.onnx", "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[len(m) // 2] ^= 0x01
+        m.flush()
+    with pytest.raises(ArtifactError, match=r"base\.onnx does not match its sha256"):
+        load(d, verify="full")
+
+
 def test_young_files_are_hashed_every_time(exported, tmp_path, monkeypatch):
     """Within the racy window (a change in the same timestamp tick would be invisible) no record is kept."""
     d = copy(exported("medusa"), tmp_path / "young")
@@ -540,3 +556,50 @@ def test_other_run_errors_are_not_taken_for_memory(tmp_path):
 
     with pytest.raises(ort_state.InvalidArgument):
         Session(Raw(), tmp_path / "x.onnx").run(None, {})
+
+
+# ----------------------------------------------------------------------------- absurd batches (issue 19)
+
+TINYLLAMA = {"num_layers": 22, "num_kv_heads": 4, "head_dim": 64}
+
+
+def test_a_batch_of_2000_prompts_of_500_tokens_is_bounded():
+    """generate(2000 prompts x 500 tokens) made one engine of 2000 rows (~100 GB of K/V on TinyLlama's
+    shape) and one prefill call over 10**6 tokens. Now the rows fit a K/V bound and the rest queue."""
+    from graphs.runtime import BATCH_KV_BYTES, BATCH_STEP_TOKENS, batch_config
+    from graphs.slots import SlotCache
+
+    cfg = batch_config(TINYLLAMA, np.float32, 2000, 500, 564)
+    kv = SlotCache(22, cfg.max_batch, 4, 64, np.float32, cfg.max_len)
+    assert 1 <= cfg.max_batch < 2000 and kv.bytes_per_column * cfg.max_len <= BATCH_KV_BYTES
+    assert cfg.step_tokens <= BATCH_STEP_TOKENS and cfg.prefill_chunk == 500
+    # an ordinary batch runs as it did: every prompt in one prefill call
+    cfg = batch_config(TINYLLAMA, np.float32, 4, 30, 100)
+    assert (cfg.max_batch, cfg.step_tokens, cfg.prefill_chunk) == (4, 120, 30)
+    # one prompt longer than a call's token bound is still one chunk
+    assert batch_config(TINYLLAMA, np.float16, 1, 20000, 20100).step_tokens == 20000
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_batch_over_the_bound_queues_and_decodes_the_same(decoders, monkeypatch, kind):
+    """Over the bound (made 3 rows here), the prompts wait for a row: every row decodes the tokens it
+    decodes alone (greedy) and as in an unbounded batch (seeded sampling)."""
+    import graphs.runtime as rt
+
+    dec = decoders[kind]
+    prompts = [[5 + i, 9, 3 + i % 4] for i in range(11)]
+    alone = [dec.generate(p, max_new_tokens=6).token_ids for p in prompts]
+    sampled = [r.token_ids for r in dec.generate(prompts, max_new_tokens=6, temperature=0.9, seed=7)]
+    src = dec.manifest.source
+    per_row = 2 * src["num_layers"] * src["num_kv_heads"] * src["head_dim"] * dec.dtype.itemsize
+    real, seen = rt.batch_config, []
+
+    def recording(*a):
+        seen.append(real(*a))
+        return seen[-1]
+
+    monkeypatch.setattr(rt, "batch_config", recording)
+    monkeypatch.setattr(rt, "BATCH_KV_BYTES", per_row * (6 + 3 + 1) * 3)  # three rows of this batch's length
+    assert [r.token_ids for r in dec.generate(prompts, max_new_tokens=6)] == alone
+    assert seen[-1].max_batch == 3
+    assert [r.token_ids for r in dec.generate(prompts, max_new_tokens=6, temperature=0.9, seed=7)] == sampled
