@@ -84,25 +84,27 @@ def main(argv=None) -> int:
                 check_writable(path, flag, args.out_dir, args.model_dir, args.draft_model)
         if args.png:  # say so before the run, not after it
             require_module("matplotlib", "--png", "'specexport[plot]' (or matplotlib)")
+        tree = _read_tree(args.tree) if args.tree else None
         if args.variants:
             from exporter.benchmark import variants
 
+            unused = [flag for flag, v in (("--model-dir", args.model_dir), ("--draft-model", args.draft_model),
+                                           ("--optimum-python", args.optimum_python), ("--work", args.work),
+                                           ("--precisions", args.precisions != "fp32")) if v]
+            if unused:  # never silently ignored
+                raise UserError(f"{unused[0]} does not apply to --variants (it runs our variants only, no peers); "
+                                f"drop it, or run without --variants")
             use_shared_thread_pool(args.threads)  # one ORT pool for base, draft and K/V sessions
             report = variants.run_variants(args.out_dir, _csv(args.variants), max_new_tokens=args.max_new_tokens,
                                            repeats=args.repeats, prompts=args.prompts or 8, threads=args.threads,
-                                           sweep=args.sweep, tune=args.tune)
+                                           sweep=args.sweep, tune=args.tune, tree=tree,
+                                           load_options=_load_options(args.load_option),
+                                           prompts_file=args.prompts_file, logs=args.logs)
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
             if args.png:
                 variants.draw(report, Path(args.png))
             return 0
-        tree = None
-        if args.tree:
-            try:
-                tree = json.loads(Path(args.tree).read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise UserError(f"cannot read --tree {args.tree}: {e}") from None
-            tree = tree["paths"] if isinstance(tree, dict) and "paths" in tree else tree
         opts = BenchOptions(
             model_dir=args.model_dir, prompts_file=args.prompts_file, prompts=args.prompts,
             max_new_tokens=args.max_new_tokens, repeats=args.repeats, temperature=args.temperature, top_p=args.top_p,
@@ -135,6 +137,14 @@ def main(argv=None) -> int:
 
 def _csv(text: str) -> tuple:
     return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _read_tree(path: str):
+    try:
+        tree = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --tree {path}: {e}") from None
+    return tree["paths"] if isinstance(tree, dict) and "paths" in tree else tree
 
 
 def _load_options(items: list[str]) -> dict:

@@ -227,6 +227,20 @@ def copy_export_files(model_dir: Path, dst: Path) -> None:
 _LAYER_KEY = re.compile(r"^(?:model\.(?:decoder\.)?layers|transformer\.h|gpt_neox\.layers)\.(\d+)\.")
 
 
+def _safetensors_header(f: Path) -> dict | None:
+    """The JSON header of one safetensors file ({name: {"dtype", "shape", ...}}), no tensor read;
+    ``None`` when it cannot be read or is not a plausible header."""
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= 100 << 20:
+                return None
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError):
+        return None
+    return header if isinstance(header, dict) else None
+
+
 def checkpoint_tensor_names(model_dir: Path) -> list[str] | None:
     """The tensor names of ``model_dir``'s safetensors checkpoint, read from the shard index or the
     files' headers (no tensor is read); ``None`` when it has none (``*.bin`` only) or a header is bad
@@ -240,15 +254,54 @@ def checkpoint_tensor_names(model_dir: Path) -> list[str] | None:
     names = []
     files = sorted(model_dir.glob("*.safetensors"))
     for f in files:
-        try:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                if not 0 < n <= 100 << 20:
-                    return None
-                names += [k for k in json.loads(fh.read(n)) if k != "__metadata__"]
-        except (OSError, ValueError):
+        header = _safetensors_header(f)
+        if header is None:
             return None
+        names += [k for k in header if k != "__metadata__"]
     return names if files else None
+
+
+def checkpoint_tensor_shape(model_dir: Path, name: str) -> list[int] | None:
+    """The shape of tensor ``name`` in ``model_dir``'s safetensors checkpoint, from the header of the
+    file that holds it (the shard the index names, or any ``*.safetensors``); ``None`` if not found."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shard = json.loads(index.read_bytes())["weight_map"].get(name)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+        # check_shard_index confines the shards; a name with a directory part is never opened here
+        files = [model_dir / shard] if isinstance(shard, str) and Path(shard).name == shard else []
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    for f in files:
+        entry = (_safetensors_header(f) or {}).get(name)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+            return shape
+    return None
+
+
+# the input embedding of each supported layout: rows = vocab_size, columns = hidden_size
+_EMBEDDINGS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight", "transformer.wte.weight",
+               "gpt_neox.embed_in.weight")
+
+
+def check_checkpoint_sizes(config, model_dir: Path) -> None:
+    """``vocab_size`` and ``hidden_size`` of ``config.json`` against the checkpoint's embedding (read from
+    the safetensors header, no tensor loaded), before the model is built: a vocab_size of 10**9 used
+    to build (or try to allocate) the model, then fail with transformers' "look at the above report"
+    and no report above."""
+    for name in _EMBEDDINGS:
+        shape = checkpoint_tensor_shape(model_dir, name)
+        if shape is None or len(shape) != 2:
+            continue
+        for key, have in (("vocab_size", shape[0]), ("hidden_size", shape[1])):
+            want = getattr(config, key, None)
+            if isinstance(want, int) and not isinstance(want, bool) and want != have:
+                raise UserError(f"{model_dir}/config.json says {key}={want} but the checkpoint's {name} has "
+                                f"shape {shape} ({key} {have}); fix {key} in config.json (or re-save the model)")
+        return
 
 
 def check_checkpoint_layers(config, model_dir: Path) -> None:

@@ -73,10 +73,11 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
         get_arch(config)
     except ValueError as e:
         raise UserError(f"{model_dir}: {e}") from None
-    from exporter.inputs import check_checkpoint_layers, check_rope
+    from exporter.inputs import check_checkpoint_layers, check_checkpoint_sizes, check_rope
 
     check_rope(config, model_dir)
     check_checkpoint_layers(config, model_dir)
+    check_checkpoint_sizes(config, model_dir)
     if drafter is not None and getattr(config, "speculative_decoding", None):
         raise UserError(f"{model_dir} already holds a drafter; drop --drafter or export the plain base")
     enable_huggingface_checkpointing()
@@ -88,6 +89,9 @@ def load_model(model_dir, drafter: str | os.PathLike | None = None, trust_remote
     except (ValueError, TypeError) as e:
         raise UserError(f"cannot load {model_dir}: {_one_line(e)}") from None
     except Exception as e:
+        if "ignore_mismatched_sizes" in str(e):  # transformers: "... look at the above report", none above
+            raise UserError(f"the weights in {model_dir} do not have the shapes its config.json asks for; fix the "
+                            f"sizes in config.json (vocab_size, hidden_size, ...) or re-save the model") from None
         raise UserError(
             f"cannot load the weights in {model_dir} (corrupt or truncated?): {_one_line(e)}"
         ) from None

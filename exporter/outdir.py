@@ -189,6 +189,9 @@ class OutDir:
             raise
         except OSError as e:
             self.close()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise UserError(f"disk full: out_dir {self.out_dir} cannot be written ({e.strerror}); nothing was "
+                                f"changed: free some space and retry") from None
             raise UserError(f"out_dir {self.out_dir} cannot be written ({e.strerror}); choose a writable "
                             f"location") from None
         except BaseException:
@@ -315,9 +318,13 @@ class OutDir:
                 break
             except FileExistsError:
                 continue
-        (tmp / PARTIAL_MARK).write_text(f"{os.getpid()}\n")
-        if mode is not None:
-            os.chmod(tmp, mode)  # replacing a directory: keep its permissions
+        try:
+            (tmp / PARTIAL_MARK).write_text(f"{os.getpid()}\n")
+            if mode is not None:
+                os.chmod(tmp, mode)  # replacing a directory: keep its permissions
+        except BaseException:  # a full disk: no unmarked temporary left (a later run would not remove it)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return tmp
 
     # ------------------------------------------------------------------ commit / close

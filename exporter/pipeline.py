@@ -142,12 +142,14 @@ def _export(target: OutDir, model_dir: Path, out_dir: Path, opts: ExportOptions,
     from exporter.trace import trace_graphs
     from exporter.validate import validate_export
 
+    had_export = (Path(os.path.realpath(out_dir)) / MANIFEST).is_file()
     tmp = target.open()
     steps = Steps(5, log)
     try:
         with steps(f"load {model_dir}"):
             model = load(model_dir, drafter=opts.drafter, trust_remote_code=opts.trust_remote_code)
         plan = build_plan(model, model_dir, dtype=opts.dtype, opset=opts.opset, eagle_trees=opts.eagle_trees)
+        check_export_space(model, opts.dtype, tmp.parent, out_dir)
         if plan.drafter is None:
             log("note: no drafter in this model: exporting the base graph alone (autoregressive decoding)")
         trace_graphs(model, plan, tmp, external_data_bytes=opts.external_data_bytes, steps=steps)
@@ -160,8 +162,42 @@ def _export(target: OutDir, model_dir: Path, out_dir: Path, opts: ExportOptions,
         with steps(f"write {out_dir}"):
             target.commit(manifest)  # rehashes, writes the manifest, re-checks out_dir under the lock, moves
         return manifest
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        kept = f"the earlier export in {out_dir} is untouched" if had_export else f"{out_dir} was not created"
+        where = f" (writing {Path(e.filename).name})" if isinstance(e, OSError) and e.filename else ""
+        raise UserError(f"disk full while writing the export beside {out_dir}{where}; nothing was written and {kept}: "
+                        f"free some space and export again") from None
     finally:
         target.close()  # removes tmp unless it was moved into place; releases the lock
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(e: BaseException) -> bool:
+    """An out-of-space failure: an OSError with ENOSPC / EDQUOT, or a wrapped one (torch's C++ writer
+    reports it as a RuntimeError holding the system's words)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return True
+        if any(os.strerror(n) in str(e) for n in _DISK_FULL):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def check_export_space(model, dtype: str, where: Path, out_dir: Path) -> None:
+    """Fail before tracing when the disk cannot hold even the weights once (the graphs store every
+    parameter at least once, at the export's dtype): the trace would fill it and fail minutes later."""
+    need = sum(p.numel() for p in model.parameters()) * {"float16": 2, "bfloat16": 2}.get(dtype, 4)
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise UserError(f"not enough disk space for the export beside {out_dir}: its weights alone take "
+                        f"{need / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; free some space or pick another out_dir")
 
 
 # ----------------------------------------------------------------------------- updates of an export
@@ -203,6 +239,15 @@ def _preview(tmp: Path, manifest: Manifest) -> Path:
     return view
 
 
+def roles_done(records: dict) -> str:
+    """What optimize did to each graph, for its messages: "base: attention+rotary+norms+int4; draft: unchanged"
+    (a role with no pass is "unchanged": the final line ended in "draft " and the already-optimized one
+    in "draft: )")."""
+    parts = [f"{role}: {'+'.join(map(str, rec.get('passes') or [])) or 'unchanged'}"
+             for role, rec in records.items() if isinstance(rec, dict)]
+    return "; ".join(parts) or "nothing changed"
+
+
 def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", progress=print, tune: bool = False,
                     tune_budget_s: float | None = None, tune_prompts: list[str] | None = None,
                     tune_threads: int | None = None, **opts) -> dict:
@@ -229,10 +274,8 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
     out_dir = Path(out_dir).absolute()
     manifest = _read_export(out_dir)
     if manifest.optimization:
-        done = "; ".join(f"{r}: {'+'.join(map(str, v.get('passes') or [])) or 'no passes'}"
-                         + (f", {v['quantization']}" if v.get("quantization") not in (None, "none") else "")
-                         for r, v in manifest.optimization.items() if isinstance(v, dict))
-        raise UserError(f"{out_dir} is already optimized ({done}); passes apply to the raw trace only: "
+        raise UserError(f"{out_dir} is already optimized ({roles_done(manifest.optimization)}); passes apply to "
+                        f"the raw trace only: "
                         f"re-export it (python -m exporter.export) and optimize that")
     if manifest.source.get("dtype", "float32") != "float32":
         raise UserError(f"{out_dir} holds {manifest.source.get('dtype')} graphs; optimize a float32 export "
@@ -279,8 +322,7 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
         "gain": gain,
         "seconds": time.perf_counter() - t_start,
     }
-    log(f"optimized {out_dir} in {summary['seconds']:.1f} s: "
-        + "; ".join(f"{r} {'+'.join(v['passes'])}" for r, v in records.items()), flush=True)
+    log(f"optimized {out_dir} in {summary['seconds']:.1f} s: {roles_done(records)}", flush=True)
     if tune:
         budget = O.TUNE_BUDGET_S if tune_budget_s is None else tune_budget_s
         summary["tune"] = _retune(out_dir, options, manifest, budget, tune_prompts, tune_threads, log)

@@ -27,6 +27,11 @@ class NonFiniteLogitsError(ArtifactError):
     """A graph returned nan or +inf logits (float16 overflow, or damaged weights)."""
 
 
+class GraphMemoryError(InputError, MemoryError):
+    """A graph run asked ONNX Runtime for more memory than it could get (translated at the session-run
+    boundary, :class:`graphs.sessions.Session`): one line with the size, the node and what to do."""
+
+
 class CapacityError(RuntimeError):
     """The engine is full (its queue of waiting requests is at its bound): try again later."""
 

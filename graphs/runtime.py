@@ -367,9 +367,7 @@ class Decoder:
         longest = max(len(x) for x in prompts)
         new = p.new_tokens_for(longest)  # HF's max_length counts the batch's longest prompt
         max_len = min(longest + new + 1, self.max_positions)
-        # one prefill call for the whole batch (nothing else shares this engine); any tree fits
-        cfg = EngineConfig(max_batch=len(prompts), max_len=max(max_len, 2), prefill_chunk=max(longest, 1),
-                           step_tokens=max(longest * len(prompts), 1), max_tree=4096)
+        cfg = batch_config(self.manifest.source, self.dtype, len(prompts), longest, max(max_len, 2))
         engine = Engine(self, cfg)
         r = Resolved(**{**p.__dict__, "max_new_tokens": new, "max_length": None})
         ids = [engine.add(self.new_request(x, r, engine.max_len, stream=b)) for b, x in enumerate(prompts)]
@@ -391,6 +389,25 @@ class Decoder:
             if out and not engine.has_pending_requests():
                 out[-1].stats = stats  # the run's last event carries its final stats
             yield from out
+
+
+# A generate/stream batch runs in one private engine. Its rows' K/V and one call's tokens are bounded so
+# that a batch of 2000 prompts x 500 tokens queues its prompts instead of asking for 2000 rows at once
+# (on TinyLlama's shape: ~100 GB of K/V, and one prefill call over 10**6 tokens).
+BATCH_KV_BYTES = 4 << 30  # the K/V the batch's rows may hold at once
+BATCH_STEP_TOKENS = 8192  # tokens of one call (a prompt longer than this is still one prefill chunk)
+
+
+def batch_config(source: dict, dtype, n_prompts: int, longest: int, max_len: int) -> EngineConfig:
+    """The private engine of a batch: every prompt in one prefill call while that fits the bounds above
+    (the batch then runs as it always did); beyond them, as many rows as the K/V bound holds, the
+    other prompts waiting for a free row (the engine's queue: the same tokens, greedy or seeded)."""
+    per_row = 2 * source["num_layers"] * source["num_kv_heads"] * source["head_dim"] * np.dtype(dtype).itemsize * max_len
+    rows = max(1, min(n_prompts, BATCH_KV_BYTES // max(per_row, 1)))
+    longest = max(longest, 1)
+    # any tree fits (max_tree); nothing else shares this engine
+    return EngineConfig(max_batch=rows, max_len=max_len, prefill_chunk=longest,
+                        step_tokens=max(min(longest * rows, BATCH_STEP_TOKENS), longest), max_tree=4096)
 
 
 class _Run:

@@ -16,7 +16,9 @@ except ImportError as e:  # one line that says what to install, not a traceback 
         name="onnxruntime",
     ) from e
 
-from graphs.errors import InputError, InputTypeError
+import re
+
+from graphs.errors import GraphMemoryError, InputError, InputTypeError
 
 _LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -100,7 +102,7 @@ def make_session(
     device_id: int = 0,
     session_options=None,
     provider_options: dict | None = None,
-) -> ort.InferenceSession:
+) -> Session:
     """One session for one graph file; built once per decoder, never per step.
 
     ``session_options``: an ``ort.SessionOptions`` used as given (the caller owns threads and
@@ -115,7 +117,55 @@ def make_session(
         opts = default_session_options(threads, optimization)
         apply_session_options(opts, session_options or {})
     providers = provider_list(resolve_provider(provider), device_id, provider_options)
-    return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+    return Session(ort.InferenceSession(str(path), sess_options=opts, providers=providers), Path(path))
+
+
+# ONNX Runtime's words when an allocation fails: its arena (CPU and CUDA), CUDA itself, the C++ runtime
+_ALLOC_FAILED = re.compile(r"Failed to allocate memory|out of memory|bad_alloc", re.IGNORECASE)
+_QUIET_RUN = None  # RunOptions at fatal-only logging: a failed run is raised, not also printed by ORT
+
+
+def _quiet_run_options():
+    global _QUIET_RUN
+    if _QUIET_RUN is None:
+        _QUIET_RUN = ort.RunOptions()
+        _QUIET_RUN.log_severity_level = 4
+    return _QUIET_RUN
+
+
+class Session:
+    """An ``ort.InferenceSession`` whose ``run`` turns an allocation failure into a one-line
+    :class:`GraphMemoryError` (was: ONNX Runtime's raw "Failed to allocate memory for requested buffer of
+    size 40000000000" from a ConstantOfShape, with its own log line on stderr). Everything else is the
+    session's own (``get_inputs``, ``io_binding``, ...)."""
+
+    __slots__ = ("_session", "path")
+
+    def __init__(self, session, path: Path):
+        self._session = session
+        self.path = path
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def run(self, output_names, input_feed, run_options=None):
+        try:
+            return self._session.run(output_names, input_feed, run_options or _quiet_run_options())
+        except MemoryError as e:
+            raise GraphMemoryError(self._memory_message(f"MemoryError {e}".strip())) from None
+        except Exception as e:  # ONNX Runtime's pybind errors (Fail, RuntimeException) share no base class
+            if not _ALLOC_FAILED.search(str(e)):
+                raise
+            raise GraphMemoryError(self._memory_message(str(e))) from None
+
+    def _memory_message(self, text: str) -> str:
+        size = re.search(r"buffer of size (\d+)", text)
+        node = re.search(r"while running (\w+) node", text)
+        asked = f" {int(size.group(1)) / 1e9:.1f} GB" if size else " more memory"
+        where = f" in a {node.group(1)} node" if node else ""
+        return (f"{self.path.name} asked ONNX Runtime for{asked}{where}, more than this machine could give; "
+                f"use a shorter prompt, a smaller batch or tree (or more memory), and re-export the model if "
+                f"its graphs were edited")
 
 
 def default_session_options(threads: int | None = None, optimization: str = "all") -> ort.SessionOptions:
@@ -202,6 +252,13 @@ def base_precision(optimization: dict, source_dtype: str = "float32") -> dict:
             "passes": list(rec.get("passes", []))}
 
 
+def _words(value) -> str:
+    """A base_precision field as the warning says it: ``None`` / ``[]`` -> "none", passes joined by "+"."""
+    if isinstance(value, (list, tuple)):
+        return "+".join(map(str, value)) or "none"
+    return "none" if value is None else str(value)
+
+
 def warn_if_tree_stale(tree: dict, optimization: dict, source_dtype: str = "float32", out_dir: str = "") -> bool:
     """Warn when the default tree was tuned (``python -m exporter.tune``) on other base graphs.
 
@@ -215,14 +272,15 @@ def warn_if_tree_stale(tree: dict, optimization: dict, source_dtype: str = "floa
     if "graphs" not in tuned:  # hand-picked defaults, or tuned before this record existed
         return False
     now = base_precision(optimization, source_dtype)
-    if tuned["graphs"] == now:
+    was = tuned["graphs"] if isinstance(tuned["graphs"], dict) else {}
+    diffs = [f"{label}: {_words(was[key])}, now {_words(now[key])}"
+             for key, label in (("dtype", "dtype"), ("quantization", "quantization"), ("passes", "optimize passes"))
+             if key in was and _words(was[key]) != _words(now[key])]  # a field the record lacks proves nothing
+    if not diffs:
         return False
-    was = tuned["graphs"]
-    warnings.warn(f"{out_dir or 'this export'}: the default tree was tuned on {was['dtype']}"
-                  f"{'/' + was['quantization'] if was.get('quantization') else ''} base graphs, these are "
-                  f"{now['dtype']}{'/' + now['quantization'] if now.get('quantization') else ''}: it decodes "
-                  f"the same but may not be the fastest; re-tune with python -m exporter.tune {out_dir or 'OUT_DIR'}",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(f"{out_dir or 'this export'}: the default tree was tuned on other base graphs ({'; '.join(diffs)}): "
+                  f"it decodes the same but may not be the fastest; re-tune with python -m exporter.tune "
+                  f"{out_dir or 'OUT_DIR'}", RuntimeWarning, stacklevel=3)
     return True
 
 

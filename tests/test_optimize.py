@@ -35,10 +35,13 @@ def optimized(exported, tmp_path_factory):
         if key not in cache:
             out = tmp_path_factory.mktemp(f"opt-{kind}-{quantize}-{target}") / "out"
             shutil.copytree(exported(kind), out)
-            optimize_export(out, target=target, quantize=quantize, **QUIET, **opts)
+            lines = make.logs[out] = []
+            optimize_export(out, target=target, quantize=quantize, time_gain=False, **opts,
+                            progress=lambda *a, **k: lines.append(" ".join(map(str, a))))
             cache[key] = out
         return cache[key]
 
+    make.logs = {}  # out -> optimize's progress lines
     return make
 
 
@@ -212,6 +215,23 @@ def test_optimizing_twice_is_refused_and_leaves_the_export(optimized):
     assert _digests(out) == before
     # issue 19: the message ended in "draft: )" for a role recorded without passes
     assert ": )" not in str(e.value) and ": ;" not in str(e.value), str(e.value)
+    assert "draft: unchanged)" in str(e.value), str(e.value)
+
+
+def test_final_line_says_which_graphs_are_unchanged(optimized):
+    """Issue 19: the last line ended in "draft " when the drafter got no pass ("optimized X in 7.7 s: base
+    attention+rotary+norms; draft "). Each role is named with its passes, or "unchanged"."""
+    from exporter.pipeline import roles_done
+
+    out = optimized("medusa")
+    last = optimized.logs[out][-1]
+    passes = Manifest.read(out).optimization
+    assert last.startswith(f"optimized {out} in ") and last.endswith(roles_done(passes)), last
+    assert "base: " in last and not last.rstrip().endswith(("draft", "draft:")), last
+    if not passes["draft"]["passes"]:  # the tiny Medusa heads: no attention or norm to fuse
+        assert last.endswith("; draft: unchanged"), last
+    assert roles_done({"base": {"passes": ["attention", "norms"]}, "draft": {"passes": []}}) == (
+        "base: attention+norms; draft: unchanged")
 
 
 def test_cli_bad_target_is_one_line(exported, tmp_path):

@@ -283,3 +283,103 @@ def test_read_only_export_is_refused_before_any_work(cli, out, monkeypatch, caps
     rc = importlib.import_module(cli).main([str(out)])
     one_line(rc, capsys.readouterr().err, f"{out} is not writable", "copy the export to a writable place")
     assert _digest(out) == before
+
+
+def test_bench_our_variant_failing_to_start_is_a_user_error_at_any_precision(exported, tmp_path, capsys,
+                                                                              monkeypatch):
+    """--precisions int8 with an unknown --load-option: ours-ar-int8 and ours-spec-int8 were skipped and
+    bench exited 0 (only fp32 systems were checked). The variant is stood in for by the export itself."""
+    import exporter.bench as b
+    from exporter.benchmark import systems as S
+
+    out = exported("medusa")
+    monkeypatch.setattr(S, "ours_variant", lambda *a, **k: (out, ""))
+    logs = tmp_path / "logs"
+    rc = b.main([str(out), *BENCH_TINY, "--precisions", "int8", "--load-option", "no_such_option=1",
+                 "--logs", str(logs)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: ours-ar-int8 could not start: "), err
+    assert f"worker log: {logs / 'ours-ar-int8.log'}" in err[-1] and (logs / "ours-ar-int8.log").is_file()
+
+
+def test_bench_variant_the_optimize_stage_refuses_is_a_user_error(exported, capsys, monkeypatch):
+    import exporter.bench as b
+    from exporter.benchmark import systems as S
+
+    monkeypatch.setattr(S, "ours_variant", lambda *a, **k: (None, "optimize_export(quantize='int4') failed: "
+                                                                  "UserError: OUT is already optimized"))
+    rc = b.main([str(exported("medusa")), *BENCH_TINY, "--precisions", "int4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: ours-ar-int4 could not start: optimize_export"), err
+    assert "already optimized" in err[-1] and "no worker was started" in err[-1], err[-1]
+
+
+@pytest.fixture
+def no_variants(monkeypatch):
+    """Fail the test if bench --variants prepares a variant (the checks must come first)."""
+    from exporter.benchmark import variants
+
+    monkeypatch.setattr(variants, "prepare", _no_work)
+
+
+def test_bench_variants_bad_tree_is_refused_before_any_variant(exported, tmp_path, capsys, no_variants):
+    """--variants ignored --tree (and --load-option, --prompts-file, --logs) silently; a bad one is now
+    refused before the optimize runs."""
+    import exporter.bench as b
+
+    t = tmp_path / "tree.json"
+    t.write_text("[[999]]")
+    rc = b.main([str(exported("medusa")), "--variants", "raw,int8", "--tree", str(t)])
+    one_line(rc, capsys.readouterr().err, "--tree: ", "rank 999")
+
+
+def test_bench_variants_unknown_load_option_is_refused_before_any_variant(exported, capsys, no_variants):
+    import exporter.bench as b
+
+    rc = b.main([str(exported("medusa")), "--variants", "raw", "--load-option", "no_such_option=1"])
+    one_line(rc, capsys.readouterr().err, "--load-option no_such_option", "graphs.load() takes no no_such_option",
+             "drop it")
+
+
+@pytest.mark.parametrize("flag", ["--model-dir", "--precisions"])
+def test_bench_variants_refuses_flags_it_would_ignore(exported, tiny_model_dir, capsys, no_variants, flag):
+    import exporter.bench as b
+
+    value = str(tiny_model_dir("medusa")) if flag == "--model-dir" else "int4"
+    rc = b.main([str(exported("medusa")), "--variants", "raw", flag, value])
+    one_line(rc, capsys.readouterr().err, f"{flag} does not apply to --variants", "drop it")
+
+
+def test_bench_variants_tampered_export_is_refused_naming_its_file(exported, tmp_path, capsys, no_variants):
+    """A tampered file was found only in a variant's copy (a path in a deleted work directory)."""
+    import exporter.bench as b
+
+    out = tmp_path / "out"
+    shutil.copytree(exported("medusa"), out)
+    cfg = out / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text().rstrip()[:-1] + ', "chat_template": "{{ 7 * 7 }}"}')
+    rc = b.main([str(out), "--variants", "raw"])
+    one_line(rc, capsys.readouterr().err, str(cfg), "sha256")
+
+
+def test_bench_variants_end_to_end_failure_names_the_kept_logs(exported, tmp_path, monkeypatch):
+    """A variant whose end-to-end bench fails: the error names the workers' logs, which are kept."""
+    from exporter.benchmark import run as R
+    from exporter.benchmark import variants
+    from exporter.loading import UserError
+
+    logs = tmp_path / "logs"
+    seen = {}
+
+    def bench(d, opts, log=None):
+        seen["opts"] = opts
+        return {"systems": [{"name": "ours-ar", "status": "ok"},
+                            {"name": "ours-spec", "status": "failed", "reason": "run failed: hooked"}],
+                "logs": opts.logs, "failed": ["ours-spec"]}
+
+    monkeypatch.setattr(R, "bench", bench)
+    with pytest.raises(UserError, match=rf"variant raw: the bench did not run \(run failed: hooked; worker logs: "
+                                        rf"{logs / 'raw'}\)"):
+        variants.end_to_end({"raw": exported("medusa")}, 4, 1, 1, 1, False, lambda *a, **k: None,
+                            tree=[[0]], load_options={"adaptive": False}, logs=str(logs))
+    assert seen["opts"].tree == [[0]] and seen["opts"].load_options == {"adaptive": False}

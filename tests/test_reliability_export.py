@@ -275,3 +275,107 @@ def test_stale_temporaries_of_the_same_out_dir_are_removed(model, tmp_path):
 def test_partial_marker_never_reaches_the_export(earlier):
     assert not (earlier / PARTIAL_MARK).exists()
     assert PARTIAL_MARK not in json.loads((earlier / MANIFEST).read_text())["files"]
+
+
+# ----------------------------------------------------------------------------- disk full (issue 19)
+
+
+def _enospc(path=None):
+    return OSError(28, "No space left on device", str(path) if path else None)
+
+
+def _full_disk(monkeypatch, where: str) -> None:
+    """A full disk at one write of the export (never a real one): the write puts some bytes on disk,
+    then fails as write(2) does, with ENOSPC."""
+    import shutil
+
+    import onnx
+
+    if where == "graph":  # the tracer's graph file, half written
+        real_save = onnx.save
+
+        def save(proto, f, *a, **k):
+            Path(f).write_bytes(proto.SerializeToString()[:100])
+            raise _enospc(f)
+
+        monkeypatch.setattr(onnx, "save", save)
+    elif where == "torch":  # torch's C++ writer: a RuntimeError holding the system's words
+        def export(*a, **k):
+            raise RuntimeError("[enforce fail at inline_container.cc:595] . unexpected pos 64 vs 0: "
+                               "No space left on device")
+
+        monkeypatch.setattr(exporter.trace.torch.onnx, "export", export)
+    elif where == "side file":  # copying tokenizer.json and the other side files
+        real_copy = shutil.copyfile
+
+        def copyfile(src, dst, *a, **k):
+            if Path(src).name == "tokenizer.json":
+                Path(dst).write_bytes(b'{"half')
+                raise _enospc(dst)
+            return real_copy(src, dst, *a, **k)
+
+        monkeypatch.setattr(shutil, "copyfile", copyfile)
+    elif where == "manifest":
+        def write_manifest(manifest, d):
+            (Path(d) / MANIFEST).write_text('{"half')
+            raise _enospc(Path(d) / MANIFEST)
+
+        monkeypatch.setattr(exporter.outdir, "write_manifest", write_manifest)
+    elif where == "temporary":  # the marker of the temporary directory, the export's very first write
+        real_write = Path.write_text
+
+        def write_text(self, *a, **k):
+            if self.name == PARTIAL_MARK:
+                raise _enospc(self)
+            return real_write(self, *a, **k)
+
+        monkeypatch.setattr(Path, "write_text", write_text)
+
+
+FULL_AT = ["temporary", "graph", "torch", "side file", "manifest"]
+
+
+@pytest.mark.parametrize("where", FULL_AT)
+def test_disk_full_during_a_new_export_leaves_nothing(model, tmp_path, monkeypatch, capsys, where):
+    """Issue 19: export with the disk full ended in a traceback ("internal error OSError"). Now one line
+    naming the problem and the fix, exit 2, no out_dir, no temporary, no lock."""
+    out = tmp_path / "onnx"
+    _full_disk(monkeypatch, where)
+    rc, err = run_main(capsys, model, out, "--no-validate")
+    one_line(rc, err, "disk full", "free some space")
+    assert not out.exists() and ours(tmp_path) == [], ours(tmp_path)
+
+
+@pytest.mark.parametrize("where", FULL_AT)
+def test_disk_full_during_overwrite_keeps_the_earlier_export(model, earlier, tmp_path, monkeypatch, capsys, where):
+    out = copy_export(earlier, tmp_path / "onnx")
+    before = snapshot(out)
+    _full_disk(monkeypatch, where)
+    rc, err = run_main(capsys, model, out, "--no-validate", "--overwrite")
+    line = one_line(rc, err, "disk full", "free some space")
+    assert where == "temporary" or f"the earlier export in {out} is untouched" in line, line
+    monkeypatch.undo()
+    assert snapshot(out) == before and ours(tmp_path) == [], ours(tmp_path)
+    graphs_load_ok(out)
+
+
+def test_too_little_space_for_the_weights_fails_before_tracing(model, tmp_path, monkeypatch, capsys):
+    """The weights alone would not fit: refused before the (long) trace, not when the disk fills."""
+    import shutil
+
+    monkeypatch.setattr(exporter.trace, "export_graph", lambda *a, **k: pytest.fail("traced"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(10**6, 10**6 - 1000, 1000))
+    rc, err = run_main(capsys, model, tmp_path / "onnx", "--no-validate")
+    one_line(rc, err, "not enough disk space for the export", "GB are free", "free some space")
+    assert not (tmp_path / "onnx").exists() and ours(tmp_path) == []
+
+
+def snapshot(d: Path) -> dict:
+    return {p.relative_to(d).as_posix(): (p.read_bytes(), stat.S_IMODE(p.stat().st_mode))
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def graphs_load_ok(out: Path) -> None:
+    import graphs
+
+    graphs.load(out, provider="cpu", threads=1).generate([1, 2, 3], max_new_tokens=2)

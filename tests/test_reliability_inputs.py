@@ -280,6 +280,46 @@ def test_config_with_far_more_layers_than_the_checkpoint_fails_before_building(t
     one_line(rc, err, "num_hidden_layers=100000", f"holds {layers} decoder layers", "fix num_hidden_layers")
 
 
+@pytest.mark.parametrize("key, value", [("vocab_size", 10**9), ("hidden_size", 4096)])
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_config_sizes_against_the_checkpoint_fail_before_building(tiny_model_dir, sharded, tmp_path, capsys,
+                                                                  monkeypatch, key, value, layout):
+    """Issue 19: ``vocab_size: 10**9`` in config.json failed with transformers' "For details look at the
+    above report!" and no report above. Now the embedding's shape, read from the safetensors header,
+    refuses it before the model is built, naming the key and the fix."""
+    import exporter.loading
+
+    def built(*a, **k):
+        raise AssertionError("the model was built before the sizes were checked")
+
+    monkeypatch.setattr(exporter.loading, "_from_pretrained_checked", built)
+    d = copy(tiny_model_dir("base") if layout == "single" else sharded, tmp_path / "model")
+    cfg = json.loads((d / "config.json").read_text())
+    have = cfg[key]
+    cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc, err = run_main(capsys, d, tmp_path / "onnx")
+    one_line(rc, err, f"config.json says {key}={value}", "model.embed_tokens.weight", f"({key} {have})",
+             f"fix {key} in config.json")
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_shape_mismatch_the_header_cannot_show_is_still_one_clear_line(tiny_model_dir, tmp_path, capsys,
+                                                                        monkeypatch):
+    """Where the header check cannot run (a ``*.bin`` checkpoint; stood in for by disabling it),
+    transformers' "look at the above report" is translated into a line naming config.json's sizes."""
+    import exporter.inputs
+
+    monkeypatch.setattr(exporter.inputs, "check_checkpoint_sizes", lambda *a: None)
+    d = copy(tiny_model_dir("base"), tmp_path / "model")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["vocab_size"] += 44
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc, err = run_main(capsys, d, tmp_path / "onnx")
+    line = one_line(rc, err, "do not have the shapes its config.json asks for", "fix the sizes in config.json")
+    assert "above report" not in line
+
+
 def test_symlinked_additional_chat_templates(tiny_model_dir, tmp_path, capsys, no_tracing):
     """A symlinked ``additional_chat_templates`` was dropped silently: a link inside the model directory
     is copied as a directory; one out of it is refused by name."""

@@ -296,6 +296,22 @@ def test_replaced_file_and_edited_manifest_are_caught(exported, tmp_path, counte
         load(d)
 
 
+def test_a_write_through_a_shared_mmap_is_caught_by_the_full_check(exported, tmp_path, counted):
+    """Issue 19: writes through a shared writable mmap may leave size, mtime and ctime as the proof record
+    has them, so the fast check (``verify="auto"``) is documented as not proving those bytes
+    (docs/reliability.md); what it documents as the remedy, ``verify="full"``, catches them. (Whether the
+    auto check notices depends on when the kernel stamps the page: not asserted.)"""
+    import mmap
+
+    d = copy(exported("medusa"), tmp_path / "mapped")
+    load(d)  # hashed, the record kept
+    with open(d / "base.onnx", "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[len(m) // 2] ^= 0x01
+        m.flush()
+    with pytest.raises(ArtifactError, match=r"base\.onnx does not match its sha256"):
+        load(d, verify="full")
+
+
 def test_young_files_are_hashed_every_time(exported, tmp_path, monkeypatch):
     """Within the racy window (a change in the same timestamp tick would be invisible) no record is kept."""
     d = copy(exported("medusa"), tmp_path / "young")
@@ -456,3 +472,134 @@ def test_unparseable_tokenizer_is_one_clear_error(exported, tmp_path):
     (d / "manifest.json").write_text(_json.dumps(m))
     with pytest.raises(ArtifactError, match="is not a tokenizer tokenizers can read"):
         load(d, verify="full")
+
+
+# ----------------------------------------------------------------------------- allocation failures (issue 19)
+
+_ALLOC_SCRIPT = r"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # the 40 GB can never be had, on any machine
+import numpy as np
+from onnx import TensorProto, helper, save
+from graphs.errors import GraphMemoryError
+from graphs.sessions import make_session
+n = helper.make_node("ConstantOfShape", ["shape"], ["y"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0]))
+r = helper.make_node("ReduceSum", ["y"], ["z"], keepdims=0)
+g = helper.make_graph([n, r], "g", [helper.make_tensor_value_info("shape", TensorProto.INT64, [1])],
+                      [helper.make_tensor_value_info("z", TensorProto.FLOAT, [])])
+save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), sys.argv[1])
+s = make_session(sys.argv[1], "cpu", 1)
+try:
+    s.run(None, {"shape": np.array([10**10], dtype=np.int64)})
+except GraphMemoryError as e:
+    print(e)
+"""
+
+
+def test_graph_asking_for_40_gb_is_one_clear_error(tmp_path):
+    """A ConstantOfShape that would allocate 40 GB gave ONNX Runtime's raw error (and its own log line on
+    stderr). A real allocation failure (the child's address space capped at 4 GB, so it fails on any
+    machine) now surfaces at the session-run boundary as a GraphMemoryError naming the size, the node
+    and what to do; ONNX Runtime prints nothing."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _ALLOC_SCRIPT, str(tmp_path / "big.onnx")], capture_output=True,
+                          text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("big.onnx asked ONNX Runtime for 40.0 GB in a ConstantOfShape node, more than "
+                                   "this machine could give; use a shorter prompt, a smaller batch or tree (or more "
+                                   "memory), and re-export the model if its graphs were edited"), proc.stdout
+    assert "onnxruntime" not in proc.stderr and "bfc_arena" not in proc.stderr, proc.stderr
+
+
+def test_allocation_failure_in_generate_is_one_line_exit_2(exported, monkeypatch, capsys):
+    """Through the command line: the base graph's run failing to allocate (hooked: ONNX Runtime's own
+    exception and text) is one ``error:`` line, exit 2, no traceback."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    import graphs.sessions as S
+    from exporter.generate import main
+    from helpers import one_line
+
+    out = exported("medusa")  # built before the hook
+    real = S.ort.InferenceSession
+
+    class Hooked:
+        def __init__(self, path, **kw):
+            self._s, self._base = real(path, **kw), Path(path).name == "base.onnx"
+
+        def __getattr__(self, name):
+            return getattr(self._s, name)
+
+        def run(self, *a):
+            if self._base:
+                raise ort_state.Fail("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running "
+                                     "ConstantOfShape node. Name:'' Status Message: bfc_arena.cc:360 Failed to "
+                                     "allocate memory for requested buffer of size 40000000000")
+            return self._s.run(*a)
+
+    monkeypatch.setattr(S.ort, "InferenceSession", Hooked)
+    rc = main([str(out), "--prompt", "hi", "--max-new-tokens", "4"])
+    one_line(rc, capsys.readouterr().err, "base.onnx asked ONNX Runtime for 40.0 GB in a ConstantOfShape node",
+             "use a shorter prompt")
+
+
+def test_other_run_errors_are_not_taken_for_memory(tmp_path):
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    from graphs.sessions import Session
+
+    class Raw:
+        def run(self, *a):
+            raise ort_state.InvalidArgument("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : bad rank")
+
+    with pytest.raises(ort_state.InvalidArgument):
+        Session(Raw(), tmp_path / "x.onnx").run(None, {})
+
+
+# ----------------------------------------------------------------------------- absurd batches (issue 19)
+
+TINYLLAMA = {"num_layers": 22, "num_kv_heads": 4, "head_dim": 64}
+
+
+def test_a_batch_of_2000_prompts_of_500_tokens_is_bounded():
+    """generate(2000 prompts x 500 tokens) made one engine of 2000 rows (~100 GB of K/V on TinyLlama's
+    shape) and one prefill call over 10**6 tokens. Now the rows fit a K/V bound and the rest queue."""
+    from graphs.runtime import BATCH_KV_BYTES, BATCH_STEP_TOKENS, batch_config
+    from graphs.slots import SlotCache
+
+    cfg = batch_config(TINYLLAMA, np.float32, 2000, 500, 564)
+    kv = SlotCache(22, cfg.max_batch, 4, 64, np.float32, cfg.max_len)
+    assert 1 <= cfg.max_batch < 2000 and kv.bytes_per_column * cfg.max_len <= BATCH_KV_BYTES
+    assert cfg.step_tokens <= BATCH_STEP_TOKENS and cfg.prefill_chunk == 500
+    # an ordinary batch runs as it did: every prompt in one prefill call
+    cfg = batch_config(TINYLLAMA, np.float32, 4, 30, 100)
+    assert (cfg.max_batch, cfg.step_tokens, cfg.prefill_chunk) == (4, 120, 30)
+    # one prompt longer than a call's token bound is still one chunk
+    assert batch_config(TINYLLAMA, np.float16, 1, 20000, 20100).step_tokens == 20000
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_batch_over_the_bound_queues_and_decodes_the_same(decoders, monkeypatch, kind):
+    """Over the bound (made 3 rows here), the prompts wait for a row: every row decodes the tokens it
+    decodes alone (greedy) and as in an unbounded batch (seeded sampling)."""
+    import graphs.runtime as rt
+
+    dec = decoders[kind]
+    prompts = [[5 + i, 9, 3 + i % 4] for i in range(11)]
+    alone = [dec.generate(p, max_new_tokens=6).token_ids for p in prompts]
+    sampled = [r.token_ids for r in dec.generate(prompts, max_new_tokens=6, temperature=0.9, seed=7)]
+    src = dec.manifest.source
+    per_row = 2 * src["num_layers"] * src["num_kv_heads"] * src["head_dim"] * dec.dtype.itemsize
+    real, seen = rt.batch_config, []
+
+    def recording(*a):
+        seen.append(real(*a))
+        return seen[-1]
+
+    monkeypatch.setattr(rt, "batch_config", recording)
+    monkeypatch.setattr(rt, "BATCH_KV_BYTES", per_row * (6 + 3 + 1) * 3)  # three rows of this batch's length
+    assert [r.token_ids for r in dec.generate(prompts, max_new_tokens=6)] == alone
+    assert seen[-1].max_batch == 3
+    assert [r.token_ids for r in dec.generate(prompts, max_new_tokens=6, temperature=0.9, seed=7)] == sampled

@@ -82,8 +82,37 @@ def test_a_tree_tuned_on_other_graphs_warns(exported, tmp_path):
         warnings.simplefilter("error")
         graphs.load(out, provider="cpu", threads=1)  # tuned on these raw graphs: silent
     optimize_export(out, quantize="int8", progress=None, time_gain=False, tune=False)
-    with pytest.warns(RuntimeWarning, match=r"tuned on float32 base graphs, these are float32/int8.*exporter.tune"):
+    passes = "+".join(json.loads((out / "manifest.json").read_text())["optimization"]["base"]["passes"])
+    with pytest.warns(RuntimeWarning) as w:
         graphs.load(out, provider="cpu", threads=1)
+    (msg,) = [str(x.message) for x in w if "default tree" in str(x.message)]
+    assert f"tuned on other base graphs (quantization: none, now int8; optimize passes: none, now {passes})" in msg
+    assert "dtype" not in msg and msg.endswith(f"re-tune with python -m exporter.tune {out}"), msg
+
+
+@pytest.mark.parametrize("was, now, says", [
+    # issue 19: after optimize (same dtype, new passes) the warning named the dtype ("tuned on float32 base
+    # graphs, these are float32"): it names the passes that changed
+    ({"passes": []}, {"passes": ["attention", "rotary", "norms"]}, "optimize passes: none, now attention+rotary+norms"),
+    ({"passes": ["attention"]}, {"passes": ["attention", "norms"]}, "optimize passes: attention, now attention+norms"),
+    ({"dtype": "float32", "passes": []}, {"dtype": "float16", "passes": ["fp16"]},
+     "dtype: float32, now float16; optimize passes: none, now fp16"),
+    ({}, {"passes": ["attention"]}, None),  # a record from before passes were recorded proves nothing
+    ({"passes": ["norms"]}, {"passes": ["norms"]}, None),
+])
+def test_the_stale_tree_warning_names_the_real_difference(was, now, says):
+    from graphs.sessions import warn_if_tree_stale
+
+    def record(d):
+        return {"dtype": d.get("dtype", "float32"), "quantization": None, "passes": d.get("passes", [])}
+
+    tree = {"tuned": {"graphs": {k: v for k, v in record(was).items() if k in was or k == "dtype"}}}
+    opt = {"base": {"dtype": now.get("dtype", "float32"), "passes": now.get("passes", [])}}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert warn_if_tree_stale(tree, opt, "float32", "OUT") is (says is not None)
+    if says:
+        assert f"tuned on other base graphs ({says})" in str(w[0].message), str(w[0].message)
 
 
 def test_optimize_without_a_drafter_skips_tuning(exported, tmp_path):

@@ -159,3 +159,45 @@ def test_manifest_is_written_atomically(tmp_path):
     write_manifest(m, d)
     assert sorted(p.name for p in d.iterdir()) == ["a.bin", MANIFEST]
     assert json.loads((d / MANIFEST).read_text())["files"] == {"a.bin": m.files["a.bin"]}
+
+
+def _files(d: Path) -> dict:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_every_writer_takes_the_same_lock(exported, tmp_path):
+    """Issue 19: optimize and tune took no lock on the export. A writer holding it (an update here,
+    in this process: flock is per open file) makes optimize, tune and an export --overwrite fail at
+    once, naming the holder, with the export untouched."""
+    from exporter.loading import UserError
+    from exporter.pipeline import export, optimize_export, tune_export
+
+    out = _copy(exported("medusa"), tmp_path / "out")
+    before = _files(out)
+    with OutDir(out, update=True):
+        with pytest.raises(UserError, match=rf"an update of {out} is running \(pid {os.getpid()}\)"):
+            optimize_export(out, progress=None, time_gain=False, tune=False)
+        with pytest.raises(UserError, match=rf"an update of {out} is running"):
+            tune_export(out, prompts=["abc"], threads=1, max_new_tokens=4, log=lambda *a, **k: None)
+        with pytest.raises(UserError, match=rf"another export into {out} is running"):
+            export(REPO / "no-model-needed", out, overwrite=True, log=lambda *a, **k: None)
+    assert _files(out) == before
+
+
+def test_an_update_rechecks_what_it_replaces(exported, tmp_path):
+    """A writer that took no lock changes the manifest while optimize runs (hooked at the point the graphs
+    are optimized): optimize re-checks under its lock before the swap, refuses, and keeps that change."""
+    from exporter.loading import UserError
+    from exporter.pipeline import optimize_export
+
+    out = _copy(exported("medusa"), tmp_path / "out")
+    theirs = json.loads((out / MANIFEST).read_text())
+    theirs["note"] = "written by someone else"
+
+    def other_writer(name):
+        if name == "optimized":
+            (out / MANIFEST).write_text(json.dumps(theirs))
+
+    with checkpoints(other_writer), pytest.raises(UserError, match="was changed by someone else during the update"):
+        optimize_export(out, progress=None, time_gain=False, tune=False)
+    assert json.loads((out / MANIFEST).read_text()) == theirs and _leftovers(out) == []

@@ -210,13 +210,41 @@ def bench(out_dir, opts: BenchOptions | None = None, log=print) -> dict:
 
 
 def _fail_early(systems, logs: Path) -> None:
-    """Our own systems failing to start is the user's input (a bad --tree or --load-option, ...): one
-    line naming it and the worker's log, before any run."""
+    """Our own systems failing to start is the user's input (a bad --tree or --load-option, a variant the
+    optimize stage refuses, ...), whatever the precision: one line naming it and the worker's log, before
+    any run (a skipped ours-ar-int4 used to leave bench at exit 0)."""
     for s in systems:
-        if s.family == "ours" and s.precision == "fp32" and s.status in ("failed", "skipped"):
+        if s.family == "ours" and s.status in ("failed", "skipped"):
             reason = (s.reason or "").strip().splitlines()
-            raise UserError(f"{s.name} could not start: {reason[0] if reason else 'no reason given'} (worker log: "
-                            f"{logs / (s.name + '.log')})")
+            log_file = logs / (s.name + ".log")
+            where = f"worker log: {log_file}" if log_file.is_file() else "no worker was started"
+            raise UserError(f"{s.name} could not start: {reason[0] if reason else 'no reason given'} ({where})")
+
+
+def check_ours(out_dir: Path, tree=None, load_options: dict | None = None) -> None:
+    """``--tree`` and ``--load-option`` against the export, in this process (``bench --variants`` checks
+    them before it prepares any variant, instead of failing after the optimize runs): one UserError
+    naming the flag."""
+    import inspect
+
+    import graphs
+    from graphs.errors import InputError
+
+    options = dict(load_options or {})
+    accepted = set(inspect.signature(graphs.load).parameters) - {"out_dir"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise UserError(f"--load-option {unknown[0]}: graphs.load() takes no {unknown[0]}; drop it (accepted: "
+                        f"{', '.join(sorted(accepted))})")
+    try:
+        dec = graphs.load(out_dir, provider="cpu", threads=1, **options)
+    except InputError as e:
+        raise UserError(f"--load-option {', '.join(options) or '(none)'}: {e}") from None
+    if tree is not None:
+        try:
+            dec.generate([1], max_new_tokens=1, tree=tree, mode="speculative")
+        except InputError as e:
+            raise UserError(f"--tree: {e}") from None
 
 
 def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, logs: Path, log) -> dict:
@@ -226,14 +254,16 @@ def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, logs: Pat
     log("planning systems")
     systems = plan(out_dir, manifest, opts, work, log)
     try:
-        for s in systems:
+        # ours first: failing to start is the user's input (_fail_early), said before any peer starts
+        for s in sorted(systems, key=lambda s: s.family != "ours"):
             log(f"  starting {s.name}")
             S.start(s, logs, log)
             if s.status == "ok":  # warm-up: first runs allocate
                 S.run(s, _request(prompts[0].ids, opts, 8, None))
             if s.status != "ok":
                 log(f"  {s.name}: {s.status}: {s.reason}")
-        _fail_early(systems, logs)
+            if s.family == "ours":
+                _fail_early([s], logs)
         live = [s for s in systems if s.status == "ok"]
         total = opts.repeats * len(prompts)
         log(f"running {len(live)} systems x {len(prompts)} prompts x {opts.repeats} repeats")

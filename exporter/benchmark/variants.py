@@ -83,7 +83,8 @@ def verify_latency(dirs: dict[str, Path], tree_tokens=TREE_TOKENS, past: int = 2
 
 
 def end_to_end(dirs: dict[str, Path], max_new_tokens: int, repeats: int, prompts: int, threads: int | None,
-               sweep: bool, log=print) -> dict:
+               sweep: bool, log=print, *, tree=None, load_options: dict | None = None,
+               prompts_file: str | None = None, logs: str | None = None) -> dict:
     """tokens/s autoregressive and speculative per variant: :func:`exporter.benchmark.run.bench` (its systems
     ours-ar and ours-spec, each in its own process, same prompts, greedy outputs checked equal) on
     each variant's export; with ``sweep`` its tree sweep too (the default tree beside hand-picked ones)."""
@@ -93,12 +94,14 @@ def end_to_end(dirs: dict[str, Path], max_new_tokens: int, repeats: int, prompts
     out = {}
     for name, d in dirs.items():
         opts = BenchOptions(prompts=prompts, repeats=repeats, max_new_tokens=max_new_tokens, threads=threads,
-                            peers=(), sweep=sweep)
+                            peers=(), sweep=sweep, tree=tree, load_options=dict(load_options or {}),
+                            prompts_file=prompts_file, logs=str(Path(logs) / name) if logs else None)
         r = bench(d, opts, log=lambda *a, **k: None)
         by = {e["name"]: e for e in r["systems"]}
         ar, spec = by.get("ours-ar", {}), by.get("ours-spec", {})
-        if ar.get("status") != "ok" or spec.get("status") != "ok":
-            raise UserError(f"variant {name}: the bench did not run ({ar.get('reason') or spec.get('reason')})")
+        if ar.get("status") != "ok" or spec.get("status") != "ok":  # the logs are kept (bench: on failure)
+            raise UserError(f"variant {name}: the bench did not run ({ar.get('reason') or spec.get('reason')}; "
+                            f"worker logs: {r['logs']})")
         row = {"autoregressive_tokens_per_s": ar["decode_tokens_per_s"],
                "speculative_tokens_per_s": spec["decode_tokens_per_s"],
                "speedup": spec["decode_tokens_per_s"] / ar["decode_tokens_per_s"],
@@ -121,13 +124,29 @@ def end_to_end(dirs: dict[str, Path], max_new_tokens: int, repeats: int, prompts
 def run_variants(out_dir, names=("raw", "fused", "int8", "int4"), *, tree_tokens=TREE_TOKENS, past: int = 256,
                  max_new_tokens: int = 64, repeats: int = 2, prompts: int = 4, threads: int | None = None,
                  e2e: bool = True, sweep: bool = False, tune: bool = False, keep: bool = False,
-                 log=print) -> dict:
-    """Measure ``names`` (keys of :data:`VARIANTS`) of the raw export ``out_dir``; returns the report."""
+                 tree=None, load_options: dict | None = None, prompts_file: str | None = None,
+                 logs: str | None = None, log=print) -> dict:
+    """Measure ``names`` (keys of :data:`VARIANTS`) of the raw export ``out_dir``; returns the report.
+
+    ``tree``, ``load_options``, ``prompts_file``: the end-to-end runs' (bench's ``--tree``,
+    ``--load-option``, ``--prompts-file``), checked against the raw export before any variant is
+    prepared; ``logs``: keep the workers' logs there (one directory per variant)."""
+    from exporter.benchmark.run import check_ours
+    from graphs.manifest import Manifest
+
     out_dir = Path(out_dir).absolute()
     names = list(names)
     bad = [n for n in names if n not in VARIANTS]
     if bad or not names:
         raise UserError(f"unknown variant(s) {bad}; accepted: {', '.join(VARIANTS)}")
+    manifest = Manifest.read(out_dir, verify=True)  # a tampered file named in the user's export, not a copy's
+    prompts_file = str(Path(prompts_file).absolute()) if prompts_file else None
+    logs = str(Path(logs).absolute()) if logs else None
+    if e2e and manifest.drafter:
+        check_ours(out_dir, tree, load_options)  # before the optimize runs, not after them
+    elif tree is not None or load_options:
+        raise UserError(f"--tree and --load-option apply to the end-to-end runs, and {out_dir} has no drafter: "
+                        f"drop them")
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.variants-", dir=out_dir.parent))
     t0 = time.perf_counter()
     try:
@@ -142,11 +161,10 @@ def run_variants(out_dir, names=("raw", "fused", "int8", "int4"), *, tree_tokens
         base = lat.get("raw")
         if base:
             report["speedup_vs_raw"] = {n: {t: base["ms"][t] / r["ms"][t] for t in r["ms"]} for n, r in lat.items()}
-        from graphs.manifest import Manifest
-
-        if e2e and Manifest.read(out_dir, verify=False).drafter:
+        if e2e and manifest.drafter:
             log(f"end to end ({prompts} prompts x {repeats}, {max_new_tokens} new tokens) ...", flush=True)
-            report["end_to_end"] = end_to_end(dirs, max_new_tokens, repeats, prompts, threads, sweep, log)
+            report["end_to_end"] = end_to_end(dirs, max_new_tokens, repeats, prompts, threads, sweep, log, tree=tree,
+                                              load_options=load_options, prompts_file=prompts_file, logs=logs)
         report["sizes_bytes"] = {n: sum(f.stat().st_size for f in d.rglob("*.onnx*")) for n, d in dirs.items()}
         report["seconds"] = time.perf_counter() - t0
         return report
