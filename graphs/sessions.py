@@ -158,6 +158,17 @@ class Session:
                 raise
             raise GraphMemoryError(self._memory_message(str(e))) from None
 
+    def run_with_iobinding(self, iobinding, run_options=None):
+        """As ``run`` (allocation failures as one line), for bound calls (:class:`InPlaceRun`)."""
+        try:
+            return self._session.run_with_iobinding(iobinding, run_options or _quiet_run_options())
+        except MemoryError as e:
+            raise GraphMemoryError(self._memory_message(f"MemoryError {e}".strip())) from None
+        except Exception as e:
+            if not _ALLOC_FAILED.search(str(e)):
+                raise
+            raise GraphMemoryError(self._memory_message(str(e))) from None
+
     def _memory_message(self, text: str) -> str:
         size = re.search(r"buffer of size (\d+)", text)
         node = re.search(r"while running (\w+) node", text)
