@@ -82,9 +82,10 @@ def add_arguments(ap) -> None:
                          "on this machine (default: re-tune, python -m exporter.tune)")
     ap.add_argument("--tune-budget-s", type=float, default=TUNE_BUDGET_S,
                     help="time for the EAGLE tree sweep of the re-tuning (default 60)")
-    ap.add_argument("--accuracy-level", type=int, default=0,
-                    help="the base's MatMulNBits compute: 0 float32 (default, lossless speculative), 4 int8 "
-                         "(faster on CPUs)")
+    ap.add_argument("--accuracy-level", type=int, default=None,
+                    help="the base's MatMulNBits compute: 4 int8 (default: MLAS's fast kernels, kept where "
+                         "optimize's rows check finds every row's logits independent of the call's row count), "
+                         "0 float32")
     ap.add_argument("--draft-accuracy-level", type=int, default=4,
                     help="the drafter graphs' MatMulNBits compute (default 4, int8: drafts are verified by the "
                          "base, so their rounding never changes the output)")

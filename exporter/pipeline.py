@@ -298,6 +298,10 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
             validation = (O.check_parity(out_dir, tmp, manifest, specs, options, log) if options.validate
                           else {"skipped": True})
             gain = O.time_gain(out_dir, tmp, manifest, specs, log) if options.time_gain else {}
+            if "rows" in validation:  # what the runtime must do for rows to agree (graphs.runtime reads it)
+                records["base"]["min_rows"] = validation["rows"]["min_rows"]
+                records["base"]["rows_max_abs"] = max(validation["rows"]["single_max_abs"],
+                                                      validation["rows"]["multi_max_abs"])
             manifest.graphs = specs
             manifest.optimization = records
             manifest.opset = max([manifest.opset] + [r.get("opset") or 0 for r in records.values()])

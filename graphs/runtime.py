@@ -136,6 +136,9 @@ class Decoder:
         # K/V written in place by the graph (exporter.optimize on the CPU): the manifest's spec says so
         self._in_place = InPlaceRun(self.base, self.base_spec) if C.kv_in_place(self.base_spec) else None
         self.kv_layout = C.kv_layout(self.base_spec)  # how the base's K/V buffers are laid out
+        # optimize's rows check: where a one-row call rounds otherwise than calls of more rows (MLAS's
+        # M == 1 int8 kernel), every one-token call runs as two rows, so all calls share kernels
+        self.min_rows = int((m.optimization.get("base") or {}).get("min_rows", 1))
         self._n_layers = m.source["num_layers"]
 
 
@@ -197,12 +200,28 @@ class Decoder:
         """One base forward over S new positions per row: ids, positions (B, S), tree_mask (B, S, S)
         bool, against the columns ``kv`` holds (a :class:`graphs.slots.SlotCache`, its ``rows``, or a
         :class:`graphs.kv.KVCache`). Returns every output by name (``present.*``: K/V of the S)."""
+        if ids.shape[1] < self.min_rows:  # a padding row that sees only itself; its outputs are dropped
+            return self._padded_forward(kv, ids, pos, tree_mask, rows)
+        return self._forward(kv, ids, pos, tree_mask, rows)
+
+    def _forward(self, kv, ids, pos, tree_mask, rows) -> dict:
         if self._in_place is not None:
             return self._forward_in_place(kv, ids, pos, tree_mask, rows)
         past = kv.past_mask() if rows is None else kv.past_mask(rows)
         feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: attention_mask(past, tree_mask)}
         kv_feed = kv.feed() if rows is None else kv.feed(rows)
         return dict(zip(self._base_outputs, self.base.run(self._base_outputs, feed | kv_feed)))
+
+    def _padded_forward(self, kv, ids, pos, tree_mask, rows) -> dict:
+        bsz, s = ids.shape
+        n = self.min_rows
+        ids2 = np.concatenate([ids, np.full((bsz, n - s), self.pad, dtype=ids.dtype)], axis=1)
+        pos2 = np.concatenate([pos, np.repeat(pos[:, -1:], n - s, axis=1)], axis=1)
+        mask2 = np.broadcast_to(np.eye(n, dtype=bool), (bsz, n, n)).copy()
+        mask2[:, :s, :s] = tree_mask
+        out = self._forward(kv, ids2, pos2, mask2, rows)
+        # the S real rows (a K/V buffer written in place keeps the padding row past them: never attended)
+        return {k: (v[:, :, :s] if k.startswith("present.") else v[:, :s]) for k, v in out.items()}
 
     def _forward_in_place(self, kv, ids, pos, tree_mask, rows) -> dict:
         """The base graph writes the S new rows of row b into ``kv``'s buffers at the column of b's

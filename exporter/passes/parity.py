@@ -137,27 +137,31 @@ def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec,
     return rows
 
 
-def incremental_consistency(path: Path, spec: C.GraphSpec, vocab: int, past: int = 20, threads: int = 1,
-                            seed: int = 7, kv_dims: tuple[int, int] | None = None) -> float:
-    """Max |logits| difference between a token computed alone (S=1, the autoregressive step) and the
-    same token as row 0 of a 4-token call (a verified tree's first row), over the same past, which
-    the graph itself computed from a prefill (random past values do not show the effect below).
+ROW_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # one token (the autoregressive step) and the tree sizes used
 
-    Greedy speculative decoding equals greedy autoregressive decoding only if a graph gives the same
-    logits to the same row whatever the number of rows in the call. Float kernels differ by ~1e-6;
-    ``MatMulNBits`` with ``accuracy_level=4`` (int8 activations) differed by ~1e-2 on ORT 1.32's CPU
-    EP for a 19M-parameter Llama, enough to flip greedy choices.
+
+def row_consistency(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past: int = 20, threads: int = 1,
+                    seed: int = 7, kv_dims: tuple[int, int] | None = None) -> dict:
+    """How much a row's logits depend on how many rows its call has, over the same past (which the
+    graph computed from a prefill): a chain of ``max(sizes)`` tokens after the past, called as its
+    first M tokens for every M in ``sizes``; row j of the M-call against row j of the largest call.
+
+    Returns ``{"single": max over rows of the 1-row call, "multi": max over calls of 2+ rows,
+    "sizes": sizes}``. Greedy speculative decoding equals greedy autoregressive decoding when both
+    are 0 (or below every top-2 margin); when only "single" is large (MLAS's separate M == 1 int8
+    kernel), calling one token as two rows (a padding row) makes every call use the many-row kernels.
     """
     from graphs.sessions import make_session
 
     s = make_session(path, "cpu", threads)
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, past + 4).astype(np.int64)
+    t = max(sizes)
+    ids = rng.integers(0, vocab, past + t).astype(np.int64)
     kv = spec.input(C.past_key(0)).dims
-    if len(kv) == 3:  # (B, P, kv_heads * head_dim): the caller says how it splits (``kv_dims``)
+    if len(kv) == 3:
         kv = (kv[0], kv_dims[0], kv[1], kv_dims[1])
-    past_names = [t.name for t in spec.inputs if t.name.startswith("past_key_values.")]
-    presents = [t.name for t in spec.outputs if t.name.startswith("present.")]
+    past_names = [x.name for x in spec.inputs if x.name.startswith("past_key_values.")]
+    presents = [x.name for x in spec.outputs if x.name.startswith("present.")]
 
     def run(tokens, positions, mask, pasts):
         feed = {C.INPUT_IDS: tokens[None], C.POSITION_IDS: positions[None], C.ATTENTION_MASK: mask[None, None]}
@@ -165,17 +169,19 @@ def incremental_consistency(path: Path, spec: C.GraphSpec, vocab: int, past: int
         cut = dict
         if C.kv_in_place(spec):
             feed, cut = rewritten_feed(feed, spec)
-        extra = {t.name: np.zeros([1 if d == C.BATCH else 0 if isinstance(d, str) else d for d in t.dims], t.dtype)
-                 for t in spec.inputs if t.name not in feed}
-        out = cut(dict(zip([C.LOGITS, *presents], s.run([C.LOGITS, *presents], {**feed, **extra}))))
-        return out[C.LOGITS][0], [out[n] for n in presents]
+        out = cut(dict(zip([C.LOGITS, *presents], s.run([C.LOGITS, *presents], feed))))
+        return out[C.LOGITS][0].astype(np.float64), [out[n] for n in presents]
 
-    empty = [np.zeros((1, kv[1], 0, kv[3]), spec.input(n).dtype) for n in past_names]  # the concat contract's
+    empty = [np.zeros((1, kv[1], 0, kv[3]), spec.input(n).dtype) for n in past_names]
     _, pasts = run(ids[:past], np.arange(past), np.tril(np.ones((past, past), bool)), empty)
-    one, _ = run(ids[past : past + 1], np.array([past]), np.ones((1, past + 1), bool), pasts)
-    mask = np.concatenate([np.ones((4, past), bool), np.tril(np.ones((4, 4), bool))], axis=1)
-    many, _ = run(ids[past : past + 4], past + np.arange(4), mask, pasts)
-    return float(np.abs(many[0].astype(np.float64) - one[0]).max())
+    logits = {}
+    for m in sizes:
+        mask = np.concatenate([np.ones((m, past), bool), np.tril(np.ones((m, m), bool))], axis=1)
+        logits[m], _ = run(ids[past : past + m], past + np.arange(m), mask, pasts)
+    ref = logits[t]
+    diff = {m: float(np.abs(logits[m] - ref[:m]).max()) for m in sizes}
+    return {"single": diff.get(1, 0.0), "multi": max([v for m, v in diff.items() if m > 1] or [0.0]),
+            "sizes": list(sizes)}
 
 
 # ----------------------------------------------------------------------------- one-call EAGLE tree graphs
