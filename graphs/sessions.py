@@ -308,6 +308,12 @@ class InPlaceRun:
         self.session = session
         self.outputs = [n for n in spec.output_names if not n.startswith("present.")]
 
+    @staticmethod
+    def split(feed: dict) -> tuple[dict, dict]:
+        """A whole feed as (the small inputs, the K/V buffers) for :meth:`run`."""
+        buffers = {k: v for k, v in feed.items() if k.startswith("past_key_values.")}
+        return {k: v for k, v in feed.items() if k not in buffers}, buffers
+
     def run(self, feed: dict, buffers: dict) -> dict:
         """``feed``: the small inputs (arrays), ``buffers``: ``past_key_values.*`` -> contiguous buffers."""
         io = self.session.io_binding()

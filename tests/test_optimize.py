@@ -192,16 +192,16 @@ def test_sampling_on_int4_keeps_the_quantized_base_distribution(tmp_path_factory
 
 def _graph_joint(dec, vocab: int, prompt: list[int]) -> np.ndarray:
     """(V, V, V) float64 p(x1, x2, x3 | prompt) from the decoder's own base graph (no cache)."""
-    spec = dec.base_spec
-    kv = spec.input(C.past_key(0)).dims
+    from graphs.kv import KVCache
+
+    src = dec.manifest.source
 
     def last_probs(seqs: np.ndarray) -> np.ndarray:
         b, s = seqs.shape
-        feed = {C.INPUT_IDS: seqs, C.POSITION_IDS: np.broadcast_to(np.arange(s), (b, s)).copy(),
-                C.ATTENTION_MASK: np.broadcast_to(np.tril(np.ones((s, s), bool)), (b, 1, s, s)).copy()}
-        for t in spec.inputs[3:]:
-            feed[t.name] = np.zeros((b, kv[1], 0, kv[3]), np.float32)
-        logits = dec.base.run([C.LOGITS], feed)[0][:, -1].astype(np.float64)
+        kv = KVCache(src["num_layers"], b, src["num_kv_heads"], src["head_dim"], dec.dtype, layout=dec.kv_layout)
+        out = dec.base_forward(kv, seqs, np.broadcast_to(np.arange(s), (b, s)).copy(),
+                               np.broadcast_to(np.tril(np.ones((s, s), bool)), (b, s, s)).copy())
+        logits = out[C.LOGITS][:, -1].astype(np.float64)
         e = np.exp(logits - logits.max(-1, keepdims=True))
         return e / e.sum(-1, keepdims=True)
 
@@ -316,7 +316,7 @@ def test_export_runs_optimize_as_a_step(tiny_model_dir, tmp_path):
     assert "[base] int8" in r.stdout and "parity" in r.stdout  # the per-pass summary is printed
     m = Manifest.read(out)
     assert m.optimization["base"]["quantization"]["bits"] == 8
-    assert m.optimization["base"]["passes"] == ["attention", "rotary", "norms", "int8"]
+    assert m.optimization["base"]["passes"] == ["attention", "rotary", "norms", "kv", "int8"]
     assert "tune: the default tree for these graphs" in r.stdout  # re-tuned for the int8 graphs by default
     assert m.tree["tuned"]["graphs"] == {"dtype": "float32", "quantization": "int8",
-                                         "passes": ["attention", "rotary", "norms", "int8"]}
+                                         "passes": ["attention", "rotary", "norms", "kv", "int8"]}

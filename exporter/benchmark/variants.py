@@ -57,22 +57,30 @@ def verify_latency(dirs: dict[str, Path], tree_tokens=TREE_TOKENS, past: int = 2
     from graphs.manifest import Manifest
     from graphs.sessions import make_session
 
-    sessions, feeds = {}, {}
+    from graphs import contract as C
+    from graphs.sessions import InPlaceRun
+
+    calls, feeds = {}, {}
     for name, d in dirs.items():
         m = Manifest.read(d, verify=False)
         spec = m.graphs["base"]
-        sessions[name] = (make_session(d / spec.file, "cpu", threads), spec.output_names)
+        session = make_session(d / spec.file, "cpu", threads)
+        if C.kv_in_place(spec):  # bound to its buffers, as the runtime calls it (no copy back)
+            bound = InPlaceRun(session, spec)
+            calls[name] = lambda f, bound=bound: bound.run(*InPlaceRun.split(f))
+        else:
+            calls[name] = lambda f, session=session, outs=spec.output_names: session.run(outs, f)
         feeds[name] = {t: random_feed(spec, Case("t", 1, t, past), seed=t, vocab=m.source["vocab_size"])
                        for t in tree_tokens}
     times: dict[str, dict[int, list[float]]] = {n: {t: [] for t in tree_tokens} for n in dirs}
-    for name, (s, outs) in sessions.items():  # warm-up
-        s.run(outs, feeds[name][tree_tokens[0]])
+    for name, call in calls.items():  # warm-up
+        call(feeds[name][tree_tokens[0]])
     for _ in range(repeats):
         for t in tree_tokens:
-            for name, (s, outs) in sessions.items():
+            for name, call in calls.items():
                 for _ in range(runs):
                     t0 = time.perf_counter()
-                    s.run(outs, feeds[name][t])
+                    call(feeds[name][t])
                     times[name][t].append(time.perf_counter() - t0)
     out = {}
     for name in dirs:

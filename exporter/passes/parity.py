@@ -50,13 +50,17 @@ def random_feed(spec: C.GraphSpec, case: Case, seed: int = 0, vocab: int = 2) ->
     rng = np.random.default_rng(seed)
     has_aux_in = any(t.name == C.AUX_HIDDEN for t in spec.inputs)
     aux_seq, draft_seq = (case.seq, 0) if case.past == 0 else (0, case.seq)
-    sizes = {C.BATCH: case.batch, C.SEQ: case.seq, C.PAST: case.past, C.TOTAL: case.past + case.seq,
-             C.AUX_SEQ: aux_seq if has_aux_in else 0, C.DRAFT_SEQ: draft_seq if has_aux_in else 0}
+    in_place = C.kv_in_place(spec)  # the past is a buffer with room for the S new rows, written at ``past``
+    sizes = {C.BATCH: case.batch, C.SEQ: case.seq, C.PAST: case.past + (case.seq if in_place else 0),
+             C.TOTAL: case.past + case.seq, C.AUX_SEQ: aux_seq if has_aux_in else 0,
+             C.DRAFT_SEQ: draft_seq if has_aux_in else 0}
     mask = random_tree_mask(rng, case.batch, case.seq, case.past)
     feed = {}
     for t in spec.inputs:
         shape = [sizes[d] if isinstance(d, str) else d for d in t.dims]
-        if t.name == C.ATTENTION_MASK:
+        if t.name == C.KV_WRITE:
+            feed[t.name] = np.full(case.batch, case.past, dtype=np.int64)
+        elif t.name == C.ATTENTION_MASK:
             feed[t.name] = mask
         elif t.name == C.POSITION_IDS:  # past length + tree depth
             depth = mask[:, 0, :, case.past:].sum(-1) - 1
