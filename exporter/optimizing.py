@@ -172,7 +172,8 @@ def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=p
         try:
             proto, layout = write_in_place(proto, layers, src_dims.get("num_attention_heads", 0),
                                            src_dims.get("num_kv_heads", 0), src_dims.get("head_dim", 0),
-                                           base_dir=src.parent)
+                                           base_dir=src.parent,
+                                           max_positions=src_dims.get("max_position_embeddings"))
         except ValueError as e:
             raise UserError(f"{role} graph {src.name}: cannot write K/V in place ({e}); the export is untouched: "
                             f"optimize with --no-kv-in-place") from None

@@ -236,7 +236,8 @@ class Decoder:
         cols = starts[:, None] + np.arange(s)[None, :]  # (B, S): where each row's new rows go
         mask[np.arange(bsz)[:, None], 0, :, cols] = tree_mask.transpose(0, 2, 1)  # [b, j, i] = tree[b, i, j]
         feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.KV_WRITE: starts}
-        return self._in_place.run(feed, kv.feed() if rows is None else kv.feed(rows))
+        cache = kv.__dict__.setdefault("_bindings", {})  # the K/V object's own (one engine, one thread)
+        return self._in_place.run(feed, kv.feed() if rows is None else kv.feed(rows), cache)
 
     def presents(self, out: dict) -> list | None:
         """The base's ``present.*`` outputs of ``out`` in layer order (K0, V0, K1, V1, ...); None when

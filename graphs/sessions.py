@@ -314,19 +314,31 @@ class InPlaceRun:
         buffers = {k: v for k, v in feed.items() if k.startswith("past_key_values.")}
         return {k: v for k, v in feed.items() if k not in buffers}, buffers
 
-    def run(self, feed: dict, buffers: dict) -> dict:
-        """``feed``: the small inputs (arrays), ``buffers``: ``past_key_values.*`` -> contiguous buffers."""
-        io = self.session.io_binding()
-        for name, x in feed.items():
+    def run(self, feed: dict, buffers: dict, cache: dict | None = None) -> dict:
+        """``feed``: the small inputs (arrays), ``buffers``: ``past_key_values.*`` -> contiguous buffers.
+
+        ``cache``: a dict owned by the caller's K/V (one engine, one thread) that keeps the binding of
+        the buffers between calls while they stay the same memory (24 bindings a step on a 12-layer
+        model otherwise: ~0.3 ms of Python per step measured on the 19M int4 model)."""
+        key = tuple((b.ctypes.data, b.shape) for b in buffers.values())
+        io = cache.get(key) if cache is not None else None
+        if io is None:
+            io = self.session.io_binding()
+            for name in self.outputs:  # first: io.get_outputs() lists outputs in the order first bound
+                io.bind_output(name, "cpu")
+            for name, buf in buffers.items():
+                if not buf.flags.c_contiguous:
+                    raise ValueError(f"{name}: the K/V buffer must be contiguous to be written in place")
+                value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the buffer's memory (CPU)
+                io.bind_ortvalue_input(name, value)
+                io.bind_ortvalue_output("present." + name[len("past_key_values."):], value)
+            if cache is not None:
+                cache.clear()  # the buffers moved: the old binding points at freed memory
+                cache[key] = io
+        for name, x in feed.items():  # rebound every call: the arrays are new
             io.bind_cpu_input(name, np.ascontiguousarray(x))
-        for name in self.outputs:
+        for name in self.outputs:  # unallocated again: their shapes change from call to call
             io.bind_output(name, "cpu")
-        for name, buf in buffers.items():
-            if not buf.flags.c_contiguous:
-                raise ValueError(f"{name}: the K/V buffer must be contiguous to be written in place")
-            value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the buffer's memory (CPU)
-            io.bind_ortvalue_input(name, value)
-            io.bind_ortvalue_output("present." + name[len("past_key_values."):], value)
         self.session.run_with_iobinding(io)
         got = io.get_outputs()
         return {name: got[i].numpy() for i, name in enumerate(self.outputs)}

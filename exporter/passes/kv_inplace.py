@@ -36,7 +36,7 @@ SCATTER_OPSET = 24  # the first ONNX opset with TensorScatter
 
 
 def write_in_place(proto: onnx.ModelProto, num_layers: int, q_heads: int, kv_heads: int, head_dim: int,
-                   base_dir=None) -> tuple[onnx.ModelProto, str]:
+                   base_dir=None, max_positions: int | None = None) -> tuple[onnx.ModelProto, str]:
     """Rewrite the base graph ``proto`` (every layer's K and V); returns (the new model, its K/V layout).
 
     Layout ``"bsh"`` where every layer is the fused attention this project's passes write (the
@@ -53,6 +53,8 @@ def write_in_place(proto: onnx.ModelProto, num_layers: int, q_heads: int, kv_hea
     compact.CopyFrom(proto)
     try:
         _compact(compact, num_layers, q_heads, kv_heads, head_dim, base_dir)
+        if max_positions:
+            _rotary_tables(compact, int(max_positions), base_dir)
         return compact, "bsh"
     except _NoMatch:
         _scatter_4d(proto, num_layers)
@@ -267,6 +269,63 @@ def _fuse_qkv(g, producer: dict, inits: dict, q3: str, k3: str, v3: str, base_di
     g.initializer.append(split)
     return [onnx.helper.make_node("MatMul", [mms[0].input[0], name], [out], name=name + "/MatMul"),
             onnx.helper.make_node("Split", [out, split.name], [q3, k3, v3], axis=-1, name=name + "/Split")]
+
+
+TABLE_BYTES = 256 << 20  # cos/sin tables above this stay computed in the graph
+
+
+def _rotary_tables(proto: onnx.ModelProto, max_positions: int, base_dir) -> None:
+    """The cos/sin halves the graph computes from ``position_ids`` (Cast, Mul by the inverse
+    frequencies, Concat, Cos, Sin, Slice: 8 nodes) -> two ``Gather`` rows of tables (max_positions,
+    hd/2) computed by *running that very subgraph* once on positions 0 .. max_positions - 1 with
+    ONNX Runtime: the same kernels on the same values, so every entry is what the graph computed
+    (genai's graphs carry such tables too). Left as it is when the subgraph reads anything but
+    ``position_ids`` and constants, or the tables would exceed TABLE_BYTES."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    g = proto.graph
+    producer = {o: n for n in g.node for o in n.output}
+    halves = [n.output[0] for n in g.node if n.op_type == "Slice" and n.output[0].startswith("kv_rotary_half/")]
+    if not halves:
+        return
+    hd2 = None
+    inits = {t.name: t for t in g.initializer}
+    need, nodes, seen = list(halves), [], set()
+    while need:
+        x = need.pop()
+        if x in seen or x == "" or x == C.POSITION_IDS or x in inits:
+            continue
+        seen.add(x)
+        n = producer.get(x)
+        if n is None:  # another graph input: not a function of the positions alone
+            return
+        nodes.append(n)
+        need.extend(n.input)
+    used = sorted({x for n in nodes for x in n.input if x in inits})
+    sub_inits = [numpy_helper.from_array(numpy_helper.to_array(inits[x], base_dir=str(base_dir or "")), x)
+                 for x in used]
+    order = [n for n in g.node if n in nodes]  # the graph's own order is topological
+    sub = onnx.helper.make_model(
+        onnx.helper.make_graph(order, "rotary_tables",
+                               [onnx.helper.make_tensor_value_info(C.POSITION_IDS, TensorProto.INT64, [1, None])],
+                               [onnx.helper.make_tensor_value_info(h, TensorProto.FLOAT, None) for h in halves],
+                               sub_inits),
+        opset_imports=list(proto.opset_import))
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    tables = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+        halves, {C.POSITION_IDS: np.arange(max_positions, dtype=np.int64)[None]})
+    hd2 = tables[0].shape[-1]
+    if len(halves) * max_positions * hd2 * 4 > TABLE_BYTES:
+        return
+    for h, table in zip(halves, tables):
+        name = h + "/table"
+        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table[0]), name))
+        slice_node = producer[h]
+        slice_node.CopyFrom(onnx.helper.make_node("Gather", [name, C.POSITION_IDS], [h], axis=0,
+                                                  name=h + "/Gather"))
+    _remove_dead(g)
 
 
 def _remove_dead(g) -> None:
