@@ -59,7 +59,17 @@ def test_cuda_float16_greedy_speculative_equals_autoregressive(cuda_export, kind
     assert dec.provider == "cuda"  # K/V stays in host memory: the engine has no device K/V rows yet
     ar = dec.generate(PROMPTS, max_new_tokens=24, mode="autoregressive")
     sp = dec.generate(PROMPTS, max_new_tokens=24, mode="speculative")
-    assert [r.token_ids for r in sp] == [r.token_ids for r in ar]
+    # CUDA kernels pick tiles by row count: rows are not bit-identical across call shapes. The
+    # contract: equal, or diverging only at a near-tie within the rows bound measured on the device.
+    from exporter.passes.parity import row_consistency
+    from helpers import assert_greedy_within_bound
+
+    src = m.source
+    rows = [row_consistency(out / m.graphs["base"].file, m.graphs["base"], src["vocab_size"], seed=seed,
+                            kv_dims=(src["num_kv_heads"], src["head_dim"]), provider="cuda") for seed in range(4)]
+    bound = max(max(r["single"], r["multi"]) for r in rows)
+    for p, a, b in zip(PROMPTS, ar, sp):
+        assert_greedy_within_bound(dec, p, a.token_ids, b.token_ids, bound)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle3"])

@@ -145,7 +145,7 @@ ROW_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # one token (the autoregressive step) an
 
 
 def row_consistency(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past: int = 20, threads: int = 1,
-                    seed: int = 7, kv_dims: tuple[int, int] | None = None) -> dict:
+                    seed: int = 7, kv_dims: tuple[int, int] | None = None, provider: str = "cpu") -> dict:
     """How much a row's logits depend on how many rows its call has, over the same past (which the
     graph computed from a prefill): a chain of ``max(sizes)`` tokens after the past, called as its
     first M tokens for every M in ``sizes``; row j of the M-call against row j of the largest call.
@@ -157,7 +157,7 @@ def row_consistency(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, 
     """
     from graphs.sessions import make_session
 
-    s = make_session(path, "cpu", threads)
+    s = make_session(path, provider, threads)
     rng = np.random.default_rng(seed)
     t = max(sizes)
     ids = rng.integers(0, vocab, past + t).astype(np.int64)
