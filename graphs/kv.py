@@ -70,6 +70,7 @@ class KVCache(Columns):
                  layout: str = "bhsd"):
         super().__init__(num_layers, batch, kv_heads, head_dim, dtype, bucket)
         self.layout = layout  # "bsh": stored (B, capacity, kv*hd), keys/values are 4-D views (graphs.slots)
+        self.generation = 0  # bumped whenever the buffers are reallocated
         self.keys = [self._alloc(0) for _ in range(num_layers)]
         self.values = [self._alloc(0) for _ in range(num_layers)]
 
@@ -95,6 +96,7 @@ class KVCache(Columns):
                 new[:, :, : self.w] = old[:, :, : self.w]
                 bufs[i] = new
         self._grow_valid(cap)
+        self.generation += 1
 
     def feed(self) -> dict[str, np.ndarray]:
         """The past inputs of a graph: ``past_key_values.{i}.key/value`` -> whole buffers."""

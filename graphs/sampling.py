@@ -22,6 +22,13 @@ def check_finite(value) -> None:
     Checking the maximum is enough: a nan anywhere makes ``max`` nan (and ``argmax`` picks it), an
     overflowed logit is +inf. ``-inf`` elsewhere is a legitimately masked token.
     """
+    if isinstance(value, (float, np.floating)):  # one logit: the common case, no array round trip
+        if value != value or value == float("inf"):
+            raise NonFiniteLogitsError(
+                "the base graph returned non-finite logits (nan or inf): float16 overflow or damaged weights; "
+                "re-export with --dtype float32 (or check the model in PyTorch)"
+            )
+        return
     v = np.asarray(value)
     if np.isnan(v).any() or np.isposinf(v).any():
         raise NonFiniteLogitsError(
@@ -40,6 +47,10 @@ def greedy_accept(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> tuple[l
         argmax(logits) per node = [5, 0, 6, 1]
         greedy_accept(...) -> ([0, 2], 6)      # 5 matches node 2; node 2 has no child: bonus 6
     """
+    if tree.size == 1:  # a plain step (the autoregressive one): nothing to walk
+        t = int(np.argmax(logits[0]))
+        check_finite(logits[0][t])
+        return [0], t
     tokens = np.asarray(tokens)
     accepted = [0]
     n = 0

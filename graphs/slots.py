@@ -44,6 +44,7 @@ class SlotCache:
         self.n = 0  # occupied rows: 0 .. n-1
         self.lens = np.zeros(slots, dtype=np.int64)  # (slots,) committed columns per row
         self.temp = 0  # temporary columns written at [top, top + temp) this step
+        self.generation = 0  # bumped whenever the buffers are reallocated (bindings kept until then)
         self.keys = [self._alloc(0) for _ in range(num_layers)]
         self.values = [self._alloc(0) for _ in range(num_layers)]
 
@@ -87,6 +88,7 @@ class SlotCache:
                 new[: self.n, :, :top] = old[: self.n, :, :top]
                 bufs[i] = new
         self.capacity = cap
+        self.generation += 1
 
     def shrink(self) -> None:
         """Give the memory back while no row is occupied (the next request allocates again)."""
@@ -94,6 +96,7 @@ class SlotCache:
             self.keys = [self._alloc(0) for _ in range(self.num_layers)]
             self.values = [self._alloc(0) for _ in range(self.num_layers)]
             self.capacity = 0
+            self.generation += 1
 
     # ---------------------------------------------------------------- rows
 

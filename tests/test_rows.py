@@ -81,9 +81,9 @@ def test_padded_one_token_calls_decode_the_same_tokens(exported, tmp_path, monke
     widths = []
     run = padded._in_place.run
 
-    def spy(feed, buffers, cache=None):
+    def spy(feed, buffers, cache=None, key=None):
         widths.append(feed["input_ids"].shape[1])
-        return run(feed, buffers, cache)
+        return run(feed, buffers, cache, key)
 
     padded._in_place.run = spy
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8], [11]]
