@@ -1,0 +1,338 @@
+"""The optimize stage's gates decide on hand-set inputs near their boundaries (exporter.passes.parity,
+exporter.optimizing.check_parity): a rewrite off by just over the tolerance is refused, one just
+under (or exactly at it) passes, and what the report records is what was measured or configured.
+
+The graphs are built here with onnx.helper (no torch, no export): logits are a lookup in an
+initializer ``W`` (so perturbing ``W`` by ``d`` puts an error of exactly ``d`` on the logits), the
+K/V presents lookups in ``K``/``V``, and an optional ``row_eps`` adds ``row_eps * (S - 1)`` to every
+logit, so a token computed in a call of S rows differs from the same token alone by that much (what
+the row-consistency check measures).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from exporter import optimizing
+from exporter.compare_report import TOLERANCES
+from exporter.errors import UserError
+from exporter.optimizing import OptimizeOptions, check_parity, parity_tolerance
+from exporter.passes import parity
+from exporter.passes.parity import CASES, TREE_CASES, Case, graph_parity, incremental_consistency, random_feed
+from graphs import contract as C
+
+V = 4  # vocabulary (random_feed draws ids below `vocab`, passed as V: every row of W is looked up)
+W0 = np.array([[0.5, -0.25, 0.0, 0.125], [-0.5, 0.25, 0.125, 0.0], [0.25, 0.5, 0.0, -0.125],
+               [0.0, 0.125, -0.5, 0.25]], dtype=np.float32)  # max |logit| 0.5 on every row
+K0 = np.array([[0.5, 0.25], [-0.25, 0.5], [0.125, -0.5], [0.0, 0.5]], dtype=np.float32)
+
+
+def _spec(file: str, topk: bool = False) -> C.GraphSpec:
+    f = "float32"
+    inputs = (C.TensorSpec(C.INPUT_IDS, "int64", (C.BATCH, C.SEQ)),
+              C.TensorSpec(C.POSITION_IDS, "int64", (C.BATCH, C.SEQ)),
+              C.TensorSpec(C.ATTENTION_MASK, "bool", (C.BATCH, 1, C.SEQ, C.TOTAL)),
+              C.TensorSpec(C.past_key(0), f, (C.BATCH, 1, C.PAST, 2)),
+              C.TensorSpec(C.past_value(0), f, (C.BATCH, 1, C.PAST, 2)))
+    outputs = [C.TensorSpec(C.LOGITS, f, (C.BATCH, C.SEQ, V))]
+    if topk:
+        outputs.append(C.TensorSpec(C.TOPK_IDS, "int64", (C.BATCH, C.SEQ, 2)))
+    outputs += [C.TensorSpec(C.present_key(0), f, (C.BATCH, 1, C.SEQ, 2)),
+                C.TensorSpec(C.present_value(0), f, (C.BATCH, 1, C.SEQ, 2))]
+    return C.GraphSpec(file, inputs, tuple(outputs))
+
+
+def _graph(path: Path, w=W0, k=K0, row_eps: float = 0.0, topk: bool = False) -> Path:
+    spec = _spec(path.name, topk)
+    dt = {"int64": TensorProto.INT64, "bool": TensorProto.BOOL, "float32": TensorProto.FLOAT}
+    vi = [helper.make_tensor_value_info(t.name, dt[t.dtype], list(t.dims)) for t in spec.inputs]
+    vo = [helper.make_tensor_value_info(t.name, dt[t.dtype], list(t.dims)) for t in spec.outputs]
+    inits = [numpy_helper.from_array(np.asarray(w, np.float32), "W"), numpy_helper.from_array(np.asarray(k, np.float32), "K"),
+             numpy_helper.from_array(np.array(row_eps, np.float32), "row_eps"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array(1, np.int64), "idx1"),
+             numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+             numpy_helper.from_array(np.array([2], np.int64), "k2")]
+    nodes = [helper.make_node("Gather", ["W", C.INPUT_IDS], ["looked"]),
+             helper.make_node("Shape", [C.INPUT_IDS], ["shape"]),
+             helper.make_node("Gather", ["shape", "idx1"], ["s"]),
+             helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT),
+             helper.make_node("Sub", ["sf", "one"], ["sm1"]),
+             helper.make_node("Mul", ["sm1", "row_eps"], ["shift"]),
+             helper.make_node("Add", ["looked", "shift"], [C.LOGITS]),
+             helper.make_node("Gather", ["K", C.INPUT_IDS], ["kk"]),
+             helper.make_node("Unsqueeze", ["kk", "axis1"], [C.present_key(0)]),
+             helper.make_node("Neg", [C.present_key(0)], [C.present_value(0)])]
+    if topk:
+        nodes.append(helper.make_node("TopK", [C.LOGITS, "k2"], ["topv", C.TOPK_IDS], axis=-1))
+    g = helper.make_graph(nodes, "tiny", vi, vo, inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def _perturbed(col: int, d: float, table=W0) -> np.ndarray:
+    w = table.copy()
+    w[:, col] += np.float32(d)
+    return w
+
+
+# ----------------------------------------------------------------------------- graph_parity: the tolerance
+
+ATOL = RTOL = 2.0**-10  # dyadic: atol + rtol * 0.5 is exact, so "at the limit" is exactly at it
+LIMIT = ATOL + RTOL * 0.5
+
+
+@pytest.mark.parametrize(("factor", "ok"), [(0.99, True), (1.0, True), (1.01, False)])
+@pytest.mark.parametrize("table", ["W", "K"])
+def test_graph_parity_refuses_just_over_the_tolerance(tmp_path, factor, ok, table):
+    """Every output is gated (logits and the K/V presents), in every case (batch 2 and batch 1):
+    an error of limit * 0.99 or exactly the limit passes, limit * 1.01 is refused; the row records
+    the error measured and the limit it was held to."""
+    raw = _graph(tmp_path / "raw.onnx")
+    d = LIMIT * factor
+    new = (_graph(tmp_path / "new.onnx", w=_perturbed(3, d)) if table == "W"
+           else _graph(tmp_path / "new.onnx", k=_perturbed(1, d, K0)))
+    spec = _spec("raw.onnx")
+    rows = graph_parity(raw, new, spec, spec, ATOL, RTOL, vocab=V)
+    assert [(r.case, r.output) for r in rows] == [(c.name, o) for c in CASES for o in spec.output_names]
+    hit = C.LOGITS if table == "W" else C.present_key(0)
+    for r in rows:
+        if r.output == C.present_value(0) and table == "K":
+            hit_here = True  # the value output is -K: perturbed as well
+        else:
+            hit_here = r.output == hit
+        assert r.ok is (ok or not hit_here), r
+        assert r.max_abs == pytest.approx(d if hit_here else 0.0, rel=1e-5, abs=1e-12)
+        assert r.limit == ATOL + RTOL * 0.5  # max |raw| is 0.5 for every output and case
+    assert any(r.case == CASES[0].name and CASES[0].batch > 1 for r in rows)
+
+
+def test_graph_parity_not_strict_gates_only_finiteness(tmp_path):
+    """strict=False (a quantized rewrite): a large error passes but is reported; a NaN or an inf fails."""
+    raw = _graph(tmp_path / "raw.onnx")
+    spec = _spec("raw.onnx")
+    big = graph_parity(raw, _graph(tmp_path / "big.onnx", w=_perturbed(3, 0.25)), spec, spec, ATOL, RTOL, vocab=V,
+                       strict=False)
+    assert all(r.ok for r in big) and max(r.max_abs for r in big) == pytest.approx(0.25)
+    strict = graph_parity(raw, _graph(tmp_path / "big.onnx", w=_perturbed(3, 0.25)), spec, spec, ATOL, RTOL, vocab=V)
+    assert not all(r.ok for r in strict)
+    for bad in (np.nan, np.inf):
+        rows = graph_parity(raw, _graph(tmp_path / "bad.onnx", w=_perturbed(3, bad)), spec, spec, ATOL, RTOL,
+                            vocab=V, strict=False)
+        assert {r.output for r in rows if not r.ok} == {C.LOGITS}
+
+
+def _expected_top1(case_index: int, flipped_ids: set[int]) -> float:
+    ids = random_feed(_spec("x"), CASES[case_index], seed=case_index, vocab=V)[C.INPUT_IDS]
+    return float(np.mean([i not in flipped_ids for i in ids.ravel()]))
+
+
+def test_graph_parity_records_the_top1_agreement_and_topk_agreement_measured(tmp_path):
+    """Row 0 of W gets its argmax moved (0 -> 1): top-1 agreement is the fraction of positions whose
+    token is not 0, per case; topk_ids compare by agreement only (never failing the row)."""
+    raw = _graph(tmp_path / "raw.onnx", topk=True)
+    w = W0.copy()
+    w[0, 1] = 0.75  # row 0 was [.5, -.25, 0, .125]: argmax 0 -> 1, top-2 {0, 3} -> {1, 0}
+    new = _graph(tmp_path / "new.onnx", w=w, topk=True)
+    spec = _spec("raw.onnx", topk=True)
+    rows = graph_parity(raw, new, spec, spec, 1.0, 0.0, vocab=V)  # a loose tolerance: only agreement changes
+    for i, case in enumerate(CASES):
+        lg = next(r for r in rows if r.case == case.name and r.output == C.LOGITS)
+        assert lg.top1 == pytest.approx(_expected_top1(i, {0}))
+        tk = next(r for r in rows if r.case == case.name and r.output == C.TOPK_IDS)
+        ids = random_feed(spec, case, seed=i, vocab=V)[C.INPUT_IDS].ravel()
+        # top-2 ids of row 0 change from (0, 3) to (1, 0): both slots differ
+        assert tk.ok and tk.max_abs == 0.0 and tk.top1 == pytest.approx(float(np.mean(ids != 0)))
+        assert all(r.top1 is None for r in rows if r.output.startswith("present."))
+    assert any(r.top1 < 1.0 for r in rows if r.output == C.LOGITS)
+
+
+# ----------------------------------------------------------------------------- row consistency
+
+@pytest.mark.parametrize("eps", [0.0, 2.0**-12, 2.0**-8])
+def test_incremental_consistency_measures_the_row_effect(tmp_path, eps):
+    """A token alone (S=1) vs row 0 of a 4-row call: the graph adds eps * (S - 1), so exactly 3 eps."""
+    path = _graph(tmp_path / "g.onnx", row_eps=eps)
+    assert incremental_consistency(path, _spec("g.onnx"), V) == pytest.approx(3 * eps, rel=1e-6, abs=0)
+
+
+# ----------------------------------------------------------------------------- the stage's own gate
+
+
+def _stage(tmp_path, new_w=W0, row_eps=0.0, role="base"):
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    out.mkdir(exist_ok=True)
+    tmp.mkdir(exist_ok=True)
+    _graph(out / f"{role}.onnx", row_eps=row_eps)  # the row effect on both sides: parity itself passes
+    _graph(tmp / f"{role}.onnx", w=new_w, row_eps=row_eps)
+    spec = _spec(f"{role}.onnx")
+    manifest = SimpleNamespace(graphs={role: spec}, source={"vocab_size": V})
+    return out, tmp, manifest, {role: spec}
+
+
+def _check(tmp_path, opts=None, **kw):
+    lines = []
+    report = check_parity(*_stage(tmp_path, **kw), opts or OptimizeOptions(), lines.append)
+    return report, lines
+
+
+def test_the_tolerance_is_compares_for_the_rewritten_dtype():
+    for opts, key in ((OptimizeOptions(), ("float32", "cpu")), (OptimizeOptions(target="cuda"), ("float16", "cpu")),
+                      (OptimizeOptions(float16=True), ("float16", "cpu"))):
+        assert parity_tolerance(opts) == (TOLERANCES[key].atol, TOLERANCES[key].rtol)
+    assert TOLERANCES[("float32", "cpu")].atol != TOLERANCES[("float16", "cpu")].atol  # the test can tell them apart
+
+
+@pytest.mark.parametrize(("factor", "ok"), [(0.99, True), (1.01, False)])
+def test_check_parity_refuses_a_rewrite_just_over_the_tolerance(tmp_path, factor, ok):
+    """Through the stage's entry point with its own (float32, CPU) tolerance: a rewritten base whose
+    weights are off by 0.99 x the limit is accepted and recorded as measured; 1.01 x is refused."""
+    tol = TOLERANCES[("float32", "cpu")]
+    limit = tol.atol + tol.rtol * 0.5
+    d = limit * factor
+    if not ok:
+        with pytest.raises(UserError, match=r"optimized base graph disagrees with the raw one: logits in case "
+                                            rf"{CASES[0].name}"):
+            _check(tmp_path, new_w=_perturbed(3, d))
+        return
+    report, lines = _check(tmp_path, new_w=_perturbed(3, d))
+    assert report["atol"] == tol.atol and report["rtol"] == tol.rtol and report["strict"] is True
+    base = report["graphs"]["base"]
+    assert base["ok"] is True and base["max_abs_logits"] == pytest.approx(d, rel=1e-3)
+    assert base["min_top1"] == 1.0
+    assert all(r["limit"] == pytest.approx(limit) for r in base["rows"])
+    assert report["incremental_max_abs"] == 0.0
+    assert any("ok" in x and "parity" in x for x in lines)
+
+
+def test_check_parity_quantized_reports_and_does_not_gate(tmp_path):
+    """A quantized base is another model: its error is recorded, not gated."""
+    report, _ = _check(tmp_path, opts=OptimizeOptions(quantize="int4"), new_w=_perturbed(3, 0.25))
+    assert report["strict"] is False and report["graphs"]["base"]["ok"] is True
+    assert report["graphs"]["base"]["max_abs_logits"] == pytest.approx(0.25)
+    assert OptimizeOptions(quantize_draft="int8").quant_for("draft") == "int8"
+    assert _check(tmp_path, opts=OptimizeOptions(quantize_draft="int8"))[0]["strict"] is False
+
+
+@pytest.mark.parametrize(("factor", "ok"), [(0.99, True), (1.01, False)])
+def test_check_parity_row_consistency_bound(tmp_path, factor, ok):
+    """One token alone vs in a 4-token call must agree within atol (float32 CPU: 1e-4): 3 eps just
+    under passes and is recorded as measured; just over is refused."""
+    bound = TOLERANCES[("float32", "cpu")].atol
+    eps = bound * factor / 3
+    if not ok:
+        with pytest.raises(UserError, match="different logits alone and in a tree"):
+            _check(tmp_path, row_eps=eps)
+        return
+    report, lines = _check(tmp_path, row_eps=eps)
+    assert report["incremental_max_abs"] == pytest.approx(3 * eps, rel=1e-4)
+    assert any("ok" in x for x in lines if "rows" in x)
+
+
+def test_the_row_bound_is_the_atol_exactly(tmp_path, monkeypatch):
+    """At the bound (dyadic tolerance, exact arithmetic): accepted; one ulp of the bound over: refused."""
+    eps = 2.0**-12
+    monkeypatch.setattr(optimizing, "parity_tolerance", lambda opts: (3 * eps, 0.0))
+    report, _ = _check(tmp_path, row_eps=eps)
+    assert report["incremental_max_abs"] == 3 * eps and report["atol"] == 3 * eps
+    monkeypatch.setattr(optimizing, "parity_tolerance", lambda opts: (np.nextafter(3 * eps, 0), 0.0))
+    with pytest.raises(UserError):
+        _check(tmp_path, row_eps=eps)
+
+
+def test_row_inconsistency_with_accuracy_level_4_warns_instead(tmp_path):
+    """Quantized at accuracy level 4 (int8 activations) the inconsistency is known: a warning, not a
+    refusal; quantized at level 0 it is still refused."""
+    eps = 1e-3
+    report, lines = _check(tmp_path, opts=OptimizeOptions(quantize="int4", accuracy_level=4), row_eps=eps)
+    assert report["incremental_max_abs"] == pytest.approx(3 * eps, rel=1e-4)
+    assert any("accuracy level 4" in x for x in lines) and any("NOT consistent" in x for x in lines)
+    with pytest.raises(UserError, match="different logits alone and in a tree"):
+        _check(tmp_path, opts=OptimizeOptions(quantize="int4", accuracy_level=0), row_eps=eps)
+
+
+def test_a_draft_graph_is_gated_without_the_row_check(tmp_path):
+    """The row-consistency check is the base's (it decides what is emitted); a draft graph is held to
+    the tolerance only."""
+    report, _ = _check(tmp_path, role="draft", row_eps=1e-2)
+    assert "incremental_max_abs" not in report and report["graphs"]["draft"]["ok"] is True
+    tol = TOLERANCES[("float32", "cpu")]
+    with pytest.raises(UserError, match="optimized draft graph disagrees"):
+        _check(tmp_path, role="draft", new_w=_perturbed(3, (tol.atol + tol.rtol * 0.5) * 1.01))
+
+
+# ----------------------------------------------------------------------------- tree_parity (scripted runs)
+
+
+def _tree_rows(monkeypatch, want, got, strict=True, strict_kv=None, atol=ATOL, rtol=RTOL):
+    case = Case("scripted", 2, 4, 5)
+    monkeypatch.setattr(parity, "_paired_runs", lambda *a, **k: iter([(case, want, got)]))
+    spec = SimpleNamespace(output_names=list(want))
+    return {r.output: r for r in parity.tree_parity(Path("raw"), Path("new"), spec, spec, atol, rtol, vocab=V,
+                                                    strict=strict, strict_kv=strict_kv)}
+
+
+def _tree_out(scores_delta=0.0, kv_delta=0.0, tokens=(5, 6, 7, 8)):
+    scores = np.array([[0.0, -0.5, -0.25, -np.inf], [0.0, -0.125, -0.5, -0.25]])
+    return {C.TREE_TOKENS: np.array([tokens, (1, 2, 3, 4)]), C.TREE_PARENTS: np.array([[-1, 0, 0, 1]] * 2),
+            C.TREE_DEPTH: np.array([[0, 1, 1, 2]] * 2), C.TREE_MASK: np.ones((2, 4, 4), bool),
+            C.TREE_SCORES: scores + np.where(np.isfinite(scores), scores_delta, 0.0),
+            C.present_key(0): np.full((2, 1, 4, 2), 0.5) + kv_delta}
+
+
+@pytest.mark.parametrize(("factor", "ok"), [(0.99, True), (1.0, True), (1.01, False)])
+def test_tree_parity_scores_and_kv_at_the_tolerance(monkeypatch, factor, ok):
+    want = _tree_out()
+    rows = _tree_rows(monkeypatch, want, _tree_out(scores_delta=LIMIT * factor, kv_delta=LIMIT * factor))
+    for name in (C.TREE_SCORES, C.present_key(0)):
+        assert rows[name].ok is ok and rows[name].limit == LIMIT
+        assert rows[name].max_abs == pytest.approx(LIMIT * factor)
+    assert all(rows[n].ok and rows[n].max_abs == 0.0 for n in parity._TREE_EXACT)
+    assert rows[C.TREE_TOKENS].top1 == 1.0 and rows[C.TREE_PARENTS].top1 is None
+
+
+def test_tree_parity_another_tree_fails_strict_only(monkeypatch):
+    want, got = _tree_out(), _tree_out(tokens=(5, 6, 7, 9))  # one of 8 tree tokens differs
+    rows = _tree_rows(monkeypatch, want, got)
+    assert not rows[C.TREE_TOKENS].ok and rows[C.TREE_TOKENS].top1 == pytest.approx(7 / 8)
+    assert rows[C.TREE_TOKENS].max_abs == 1.0 and rows[C.TREE_SCORES].ok
+    loose = _tree_rows(monkeypatch, want, got, strict=False, strict_kv=True)
+    assert loose[C.TREE_TOKENS].ok and loose[C.TREE_TOKENS].top1 == pytest.approx(7 / 8)
+
+
+def test_tree_parity_kv_gate_follows_strict_kv(monkeypatch):
+    """float16 drafter: the tree and its scores are reported, the context K/V still gated."""
+    want, got = _tree_out(), _tree_out(scores_delta=0.25, kv_delta=0.25)
+    rows = _tree_rows(monkeypatch, want, got, strict=False, strict_kv=True)
+    assert rows[C.TREE_SCORES].ok and not rows[C.present_key(0)].ok
+    rows = _tree_rows(monkeypatch, want, got, strict=False, strict_kv=False)
+    assert rows[C.TREE_SCORES].ok and rows[C.present_key(0)].ok
+    rows = _tree_rows(monkeypatch, want, got, strict=True)  # strict_kv defaults to strict
+    assert not rows[C.TREE_SCORES].ok and not rows[C.present_key(0)].ok
+
+
+def test_tree_parity_infinities_must_agree_and_nans_fail(monkeypatch):
+    want = _tree_out()
+    got = _tree_out()
+    got[C.TREE_SCORES] = got[C.TREE_SCORES].copy()
+    got[C.TREE_SCORES][0, 3] = -1.0  # raw underflowed to -inf there, the rewrite did not
+    rows = _tree_rows(monkeypatch, want, got, strict=True)
+    assert rows[C.TREE_SCORES].max_abs == np.inf and not rows[C.TREE_SCORES].ok
+    assert _tree_rows(monkeypatch, want, got, strict=False)[C.TREE_SCORES].ok  # not strict: reported only
+    got = _tree_out()
+    got[C.TREE_SCORES] = got[C.TREE_SCORES].copy()
+    got[C.TREE_SCORES][1, 1] = np.nan
+    assert not _tree_rows(monkeypatch, want, got, strict=False)[C.TREE_SCORES].ok  # a NaN fails, strict or not
+    assert _tree_rows(monkeypatch, want, _tree_out())[C.TREE_SCORES].max_abs == 0.0  # -inf on both sides agree
+
+
+def test_tree_cases_cover_batch_one_and_two():
+    assert {c.batch for c in TREE_CASES} == {1, 2} and {c.batch for c in CASES} == {1, 2}
