@@ -73,12 +73,14 @@ def test_measure_verify_records_the_median_of_the_repeats(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(tuning, "time", clock)
 
+    made = []
+
     class KV:
         def __init__(self, *a):
-            pass
+            made.append(a)
 
-        def append(self, *a):
-            pass
+        def append(self, presents, pos, lengths):
+            assert pos.tolist() == [list(range(5))] and lengths.tolist() == [5]
 
     monkeypatch.setattr(tuning, "KVCache", KV)
     seen = []
@@ -89,7 +91,9 @@ def test_measure_verify_records_the_median_of_the_repeats(monkeypatch):
 
         def base_forward(self, kv, ids, pos, mask):
             n = ids.shape[1]
-            seen.append((n, pos.tolist()))
+            assert ids.shape == (1, n) and mask.shape == (1, n, n)
+            assert np.array_equal(mask[0], np.tril(np.ones((n, n), dtype=bool)))  # causal over the new rows
+            seen.append((n, pos.tolist(), ids.tolist()))
             if n in script:
                 clock.now += script[n].pop(0)
             return {}
@@ -101,8 +105,12 @@ def test_measure_verify_records_the_median_of_the_repeats(monkeypatch):
     prompt = [4, 5, 6, 7, 8]
     res = tuning.measure_verify(Dec(), prompt, sizes=(2, 3), repeats=3)
     assert res == {2: 0.5, 3: 1.0}  # the middle one, not the mean or the first
-    assert seen[0] == (5, [list(range(5))])  # the prompt, then every size right after it
-    assert seen[1:4] == [(2, [[5, 6]])] * 3 and seen[4:] == [(3, [[5, 6, 7]])] * 3
+    assert seen[0] == (5, [list(range(5))], [prompt])  # the prompt, then every size right after it
+    assert seen[1:4] == [(2, [[5, 6]], [[8, 8]])] * 3 and seen[4:] == [(3, [[5, 6, 7]], [[8, 8, 8]])] * 3
+    assert made == [(1, 1, 1, 2, np.float32)]  # one sequence: num_layers, batch 1, kv heads, head dim
+    script.update({2: [0.25] * 7})
+    seen.clear()
+    assert tuning.measure_verify(Dec(), prompt, sizes=(2,)) == {2: 0.25} and len(seen) == 1 + 7  # 7 repeats
 
 
 def test_interp_is_linear_between_measured_sizes():
@@ -111,7 +119,7 @@ def test_interp_is_linear_between_measured_sizes():
     assert tuning.interp(costs, 100) == 6.0  # past the largest: the largest (np.interp)
 
 
-def test_medusa_acceptance_counts_each_heads_first_matching_rank():
+def test_medusa_acceptance_counts_each_heads_first_matching_rank(monkeypatch):
     """seq = prompt [1, 2] + greedy [3, 4, 5, 6]; from the prompt's last position t = 1, head h's
     rank-r token is compared with seq[t + h + 2] while that exists (head 0: t = 1..3, head 1: t = 1, 2)."""
     seq = [1, 2, 3, 4, 5, 6]
@@ -123,6 +131,14 @@ def test_medusa_acceptance_counts_each_heads_first_matching_rank():
     ids[0, 2, 1, [0, 2]] = seq[5]  # head 1, t = 2: ranks 0 and 2 carry it: the first counts
     ids[0, 4, 0, 0] = ids[0, 5, 0, 0] = 1  # past the end: never counted
 
+    made, feeds = [], []
+
+    class KV:
+        def __init__(self, *a):
+            made.append(a)
+
+    monkeypatch.setattr(tuning, "KVCache", KV)
+
     class Dec(FakeDec):
         dtype = np.float32
 
@@ -131,13 +147,20 @@ def test_medusa_acceptance_counts_each_heads_first_matching_rank():
             return SimpleNamespace(token_ids=[3, 4, 5, 6])
 
         def base_forward(self, kv, tokens, pos, mask):
-            assert tokens.tolist() == [seq]
+            assert tokens.tolist() == [seq] and pos.tolist() == [list(range(6))]
+            assert np.array_equal(mask, np.tril(np.ones((1, 6, 6), dtype=bool)))
             return {C.HIDDEN: np.zeros((1, 6, 2))}
 
+    def run(names, feed):
+        feeds.append(feed[C.TOPK_IN].tolist())
+        return (ids if feed[C.TOPK_IN][0] == 3 else np.full((1, 6, 2, 8), 99),)
+
     dec = Dec(heads=2)
-    dec.draft = SimpleNamespace(run=lambda names, feed: (ids,))
+    dec.draft = SimpleNamespace(run=run)
     acc = tuning.medusa_acceptance(dec, [[1, 2]], 4, k=3)
     assert acc.tolist() == [[1 / 3, 0.0, 1 / 3], [1 / 2, 1 / 2, 0.0]]
+    assert made == [(1, 1, 1, 2, np.float32)] and feeds == [[3]]
+    assert tuning.medusa_acceptance(dec, [[1, 2]], 4).shape == (2, 8) and feeds[-1] == [8]  # k = 8 by default
 
 
 CHAIN4 = Tree.from_parents([-1, 0, 1, 2], score=np.array([0.0, -1, -2, -3]))
