@@ -141,3 +141,13 @@ def test_greedy_accept_first_matching_child_then_bonus(kids):
 def test_greedy_accept_refuses_non_finite_logits():
     with pytest.raises(NonFiniteLogitsError):
         greedy_accept(CHAIN, np.array([0, 1, 2]), np.array([[0.0, np.nan, 0.0]] * 3))
+
+
+def test_typical_accept_default_alpha_is_0_3():
+    """Uniform over 12 (p = .083): default bar min(.09, .3 / 12) = .025 passes it; alpha 1.3 would make
+    the bar min(.09, .108) = .09 and fail it."""
+    flat = np.full(12, 1 / 12)
+    tree = Tree.from_parents([-1, 0])
+    probs = np.stack([flat, flat])
+    assert typical_accept(tree, np.array([0, 5]), probs, Script(0.0))[0] == [0, 1]
+    assert typical_accept(tree, np.array([0, 5]), probs, Script(0.0), posterior_alpha=1.3)[0] == [0]

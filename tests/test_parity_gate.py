@@ -150,7 +150,7 @@ def test_graph_parity_records_the_top1_agreement_and_topk_agreement_measured(tmp
         tk = next(r for r in rows if r.case == case.name and r.output == C.TOPK_IDS)
         ids = random_feed(spec, case, seed=i, vocab=V)[C.INPUT_IDS].ravel()
         # top-2 ids of row 0 change from (0, 3) to (1, 0): both slots differ
-        assert tk.ok and tk.max_abs == 0.0 and tk.top1 == pytest.approx(float(np.mean(ids != 0)))
+        assert tk.ok and tk.max_abs == 0.0 and tk.limit == 0.0 and tk.top1 == pytest.approx(float(np.mean(ids != 0)))
         assert all(r.top1 is None for r in rows if r.output.startswith("present."))
     assert any(r.top1 < 1.0 for r in rows if r.output == C.LOGITS)
 
@@ -332,7 +332,24 @@ def test_tree_parity_infinities_must_agree_and_nans_fail(monkeypatch):
     got[C.TREE_SCORES][1, 1] = np.nan
     assert not _tree_rows(monkeypatch, want, got, strict=False)[C.TREE_SCORES].ok  # a NaN fails, strict or not
     assert _tree_rows(monkeypatch, want, _tree_out())[C.TREE_SCORES].max_abs == 0.0  # -inf on both sides agree
+    gone = _tree_out()
+    gone[C.TREE_SCORES] = np.full((2, 4), -np.inf)  # every score underflowed, on both sides: nothing differs
+    row = _tree_rows(monkeypatch, gone, {**gone})[C.TREE_SCORES]
+    assert (row.max_abs, row.limit, row.ok) == (0.0, ATOL, True)
 
 
 def test_tree_cases_cover_batch_one_and_two():
     assert {c.batch for c in TREE_CASES} == {1, 2} and {c.batch for c in CASES} == {1, 2}
+
+
+def test_graph_parity_empty_outputs_pass_with_the_atol(monkeypatch):
+    """An output with no elements (a zero-length dimension) has no error, the limit is atol alone,
+    no top-1 for logits and full agreement for topk_ids."""
+    case = Case("empty", 1, 0, 3)
+    want = {C.LOGITS: np.zeros((1, 0, V), np.float32), C.TOPK_IDS: np.zeros((1, 0, 2), np.int64)}
+    monkeypatch.setattr(parity, "_paired_runs", lambda *a, **k: iter([(case, want, dict(want))]))
+    spec = SimpleNamespace(outputs=[SimpleNamespace(name=n) for n in want])
+    rows = {r.output: r for r in graph_parity(Path("raw"), Path("new"), spec, spec, ATOL, RTOL, vocab=V)}
+    assert (rows[C.LOGITS].max_abs, rows[C.LOGITS].limit, rows[C.LOGITS].top1, rows[C.LOGITS].ok) == (0.0, ATOL, None,
+                                                                                                      True)
+    assert (rows[C.TOPK_IDS].max_abs, rows[C.TOPK_IDS].limit, rows[C.TOPK_IDS].top1) == (0.0, 0.0, 1.0)

@@ -213,8 +213,10 @@ def _medusa(monkeypatch, tau: dict[int, float], verify: dict[int, float], draft=
     monkeypatch.setattr(tuning, "expected_accepted", lambda paths, acc: tau[len(paths) + 1])
     dec = FakeDec(stats=lambda kw: _stats(steps=steps, time_draft=draft * steps, time_host=host * steps))
     report = {"candidates": []}
-    paths = tuning._tune_medusa(dec, [[1, 2], [3]], verify, 6, report, **QUIET)
+    lines = []
+    paths = tuning._tune_medusa(dec, [[1, 2], [3]], verify, 6, report, log=lambda *a, **k: lines.append(a[0]))
     assert dec.calls == [([1, 2], {"max_new_tokens": 6})]  # the default tree's run on the first prompt
+    assert f"best: {len(paths) + 1} nodes" in lines[-1]  # the log names the winner's size
     return paths, report
 
 
@@ -254,6 +256,8 @@ def test_medusa_draft_and_host_are_per_step(monkeypatch):
     verify = {1: 1.0, 2: 1.0}
     _, report = _medusa(monkeypatch, {2: 2.0, 3: 2.0}, verify, draft=0.5, host=0.25, steps=4, grown={3: 1})
     assert report["candidates"][0]["predicted_tokens_per_s"] == 2.0 / (1.0 + 0.5 + 0.25)
+    _, report = _medusa(monkeypatch, {2: 2.0, 3: 2.0}, verify, draft=0.5, host=0.25, steps=1, grown={3: 1})
+    assert report["candidates"][0]["predicted_tokens_per_s"] == 2.0 / (1.0 + 0.5 + 0.25)  # one step: not halved
     _, report = _medusa(monkeypatch, {2: 2.0, 3: 2.0}, verify, draft=0.5, host=0.25, steps=0, grown={3: 1})
     assert report["candidates"][0]["predicted_tokens_per_s"] == 2.0 / 1.0  # no steps: no time (not a division by 0)
 
