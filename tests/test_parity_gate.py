@@ -284,8 +284,8 @@ def _tree_out(scores_delta=0.0, kv_delta=0.0, tokens=(5, 6, 7, 8)):
     scores = np.array([[0.0, -0.5, -0.25, -np.inf], [0.0, -0.125, -0.5, -0.25]])
     return {C.TREE_TOKENS: np.array([tokens, (1, 2, 3, 4)]), C.TREE_PARENTS: np.array([[-1, 0, 0, 1]] * 2),
             C.TREE_DEPTH: np.array([[0, 1, 1, 2]] * 2), C.TREE_MASK: np.ones((2, 4, 4), bool),
-            C.TREE_SCORES: scores + np.where(np.isfinite(scores), scores_delta, 0.0),
-            C.present_key(0): np.full((2, 1, 4, 2), 0.5) + kv_delta}
+            C.TREE_SCORES: scores + np.where(np.isfinite(scores), scores_delta, 0.0) * (np.arange(4) == 1),
+            C.present_key(0): np.full((2, 1, 4, 2), 0.5) + kv_delta * (np.arange(2) == 1)}  # one column off
 
 
 @pytest.mark.parametrize(("factor", "ok"), [(0.99, True), (1.0, True), (1.01, False)])
@@ -295,7 +295,7 @@ def test_tree_parity_scores_and_kv_at_the_tolerance(monkeypatch, factor, ok):
     for name in (C.TREE_SCORES, C.present_key(0)):
         assert rows[name].ok is ok and rows[name].limit == LIMIT
         assert rows[name].max_abs == pytest.approx(LIMIT * factor)
-    assert all(rows[n].ok and rows[n].max_abs == 0.0 for n in parity._TREE_EXACT)
+    assert all(rows[n].ok and rows[n].max_abs == 0.0 and rows[n].limit == 0.0 for n in parity._TREE_EXACT)
     assert rows[C.TREE_TOKENS].top1 == 1.0 and rows[C.TREE_PARENTS].top1 is None
 
 
@@ -353,3 +353,10 @@ def test_graph_parity_empty_outputs_pass_with_the_atol(monkeypatch):
     assert (rows[C.LOGITS].max_abs, rows[C.LOGITS].limit, rows[C.LOGITS].top1, rows[C.LOGITS].ok) == (0.0, ATOL, None,
                                                                                                       True)
     assert (rows[C.TOPK_IDS].max_abs, rows[C.TOPK_IDS].limit, rows[C.TOPK_IDS].top1) == (0.0, 0.0, 1.0)
+
+
+def test_tree_parity_empty_outputs_agree(monkeypatch):
+    want = {C.TREE_TOKENS: np.zeros((1, 0), np.int64), C.TREE_SCORES: np.zeros((1, 0))}
+    rows = _tree_rows(monkeypatch, want, dict(want))
+    assert (rows[C.TREE_TOKENS].top1, rows[C.TREE_TOKENS].ok, rows[C.TREE_TOKENS].max_abs) == (1.0, True, 0.0)
+    assert (rows[C.TREE_SCORES].max_abs, rows[C.TREE_SCORES].limit, rows[C.TREE_SCORES].ok) == (0.0, ATOL, True)

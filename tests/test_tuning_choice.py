@@ -266,7 +266,7 @@ def test_medusa_draft_and_host_are_per_step(monkeypatch):
 
 
 def _eagle(monkeypatch, gains: dict, *, baked=(), can_bake=False, verify=None, budget_s=100.0, cost_s=None,
-           one=(0.5, 0.25), two=1.0, grid=((1, 1), (2, 1))):
+           one=(0.5, 0.25), two=2.0, grid=((1, 1), (2, 1))):
     """gains: (k, d) -> (gains (T,), step-wise draft s/step, host s/step). ``one``: the baked tree's
     one-call (draft, host) per step, ``two`` its step-wise draft per step. ``cost_s``: the clock's
     advance per (k, d) measured."""
@@ -296,7 +296,7 @@ def _eagle(monkeypatch, gains: dict, *, baked=(), can_bake=False, verify=None, b
 
 def test_eagle_candidates_record_the_rate_from_the_measurements(monkeypatch):
     """Step-wise trees cost their measured step-wise draft and host; a baked tree its draft scaled by
-    the one-call/step-wise ratio measured on a baked tree (0.5 / 1.0) and the one-call host time."""
+    the one-call/step-wise ratio measured on a baked tree (0.5 / 2.0) and the one-call host time."""
     gains = {(2, 1): ([1.0, 2.0, 2.5], 0.8, 0.2), (1, 1): ([1.0, 1.5], 0.4, 0.1)}
     verify = {1: 1.0, 2: 1.25, 3: 1.5}
     cfg, report, measured = _eagle(monkeypatch, gains, baked=[(2, 1, 3)], verify=verify)
@@ -304,7 +304,7 @@ def test_eagle_candidates_record_the_rate_from_the_measurements(monkeypatch):
     by = {(c["topk"], c["depth"], c["total_tokens"]): c for c in report["candidates"]}
     assert list(by) == [(2, 1, 2), (2, 1, 3), (1, 1, 2)]
     assert by[(2, 1, 3)]["drafting"] == "one_call" and by[(2, 1, 3)]["baked"] is True
-    assert by[(2, 1, 3)]["predicted_tokens_per_s"] == pytest.approx(2.5 / (1.5 + 0.8 * 0.5 + 0.25))
+    assert by[(2, 1, 3)]["predicted_tokens_per_s"] == pytest.approx(2.5 / (1.5 + 0.8 * 0.25 + 0.25))
     assert by[(2, 1, 2)]["drafting"] == "stepwise" and by[(2, 1, 2)]["baked"] is False
     assert by[(2, 1, 2)]["predicted_tokens_per_s"] == pytest.approx(2.0 / (1.25 + 0.8 + 0.2))
     assert by[(1, 1, 2)]["predicted_tokens_per_s"] == pytest.approx(1.5 / (1.25 + 0.4 + 0.1))
@@ -317,7 +317,7 @@ def test_eagle_can_bake_prices_every_tree_as_one_call(monkeypatch):
     _, report, _ = _eagle(monkeypatch, gains, baked=[(2, 1, 3)], can_bake=True)
     assert all(c["drafting"] == "one_call" for c in report["candidates"])
     c = next(c for c in report["candidates"] if c["total_tokens"] == 2 and c["topk"] == 1)
-    assert c["predicted_tokens_per_s"] == pytest.approx(1.5 / (1.0 + 0.4 * 0.5 + 0.25)) and not c["baked"]
+    assert c["predicted_tokens_per_s"] == pytest.approx(1.5 / (1.0 + 0.4 * 0.25 + 0.25)) and not c["baked"]
 
 
 def test_eagle_without_baked_trees_uses_the_stepwise_host_and_no_ratio(monkeypatch):
