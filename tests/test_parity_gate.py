@@ -360,3 +360,71 @@ def test_tree_parity_empty_outputs_agree(monkeypatch):
     rows = _tree_rows(monkeypatch, want, dict(want))
     assert (rows[C.TREE_TOKENS].top1, rows[C.TREE_TOKENS].ok, rows[C.TREE_TOKENS].max_abs) == (1.0, True, 0.0)
     assert (rows[C.TREE_SCORES].max_abs, rows[C.TREE_SCORES].limit, rows[C.TREE_SCORES].ok) == (0.0, ATOL, True)
+
+
+# ----------------------------------------------------------------------------- the stage's tree-graph gate
+
+
+def _tree_stage(monkeypatch, rows, opts, raises=None):
+    """check_parity over one draft_tree.* role whose tree_parity returns ``rows`` (or raises)."""
+    seen = {}
+
+    def fake(raw, new, spec, new_spec, atol, rtol, vocab, strict, strict_kv=None, threads=1):
+        seen.update(atol=atol, rtol=rtol, strict=strict, strict_kv=strict_kv, vocab=vocab)
+        if raises:
+            raise raises
+        return rows
+
+    monkeypatch.setattr(parity, "tree_parity", fake)
+    role = C.TREE_ROLE_PREFIX + "2-2-4"
+    spec = SimpleNamespace(file="t.onnx")
+    manifest = SimpleNamespace(graphs={role: spec}, source={"vocab_size": V})
+    lines = []
+    report = check_parity(Path("out"), Path("tmp"), manifest, {role: spec}, opts, lines.append)
+    return report["graphs"][role], seen, lines
+
+
+def _trow(output, max_abs=0.0, top1=None, ok=True, case="c"):
+    return parity.ParityRow(case, output, max_abs, 1e-4, top1, ok)
+
+
+TREE_ROWS = [_trow(C.TREE_TOKENS, top1=1.0), _trow(C.TREE_TOKENS, top1=0.75, case="d"),
+             _trow(C.TREE_SCORES, max_abs=2e-5), _trow(C.TREE_SCORES, max_abs=5e-5, case="d")]
+
+
+@pytest.mark.parametrize(("opts", "strict", "strict_kv"), [
+    (OptimizeOptions(), True, True), (OptimizeOptions(target="cuda"), False, True),
+    (OptimizeOptions(quantize="int4"), False, False), (OptimizeOptions(quantize_draft="int8"), False, False)])
+def test_tree_gate_strictness_follows_the_rewrite(monkeypatch, opts, strict, strict_kv):
+    rec, seen, _ = _tree_stage(monkeypatch, TREE_ROWS, opts)
+    assert (seen["strict"], seen["strict_kv"]) == (strict, strict_kv)
+    assert (seen["atol"], seen["rtol"]) == parity_tolerance(opts) and seen["vocab"] == V
+    assert rec["tree_tokens_equal"] == 0.75 and rec["max_abs_scores"] == 5e-5 and rec["ok"] is True
+    assert len(rec["rows"]) == len(TREE_ROWS)
+
+
+def test_tree_gate_refuses_a_failing_row(monkeypatch):
+    rows = TREE_ROWS + [_trow(C.present_key(0), max_abs=3e-4, ok=False, case="kv")]
+    with pytest.raises(UserError, match=r"drafts another tree than the raw one: present.0.key in case kv"):
+        _tree_stage(monkeypatch, rows, OptimizeOptions())
+
+
+def test_tree_gate_float16_without_cpu_kernels_is_left_to_the_gpu(monkeypatch):
+    rec, _, lines = _tree_stage(monkeypatch, None, OptimizeOptions(target="cuda"),
+                                raises=RuntimeError("NOT_IMPLEMENTED : no kernel"))
+    assert "skipped" in rec and any("skipped" in x for x in lines)
+    with pytest.raises(UserError, match="does not run on ONNX Runtime's CPU EP"):
+        _tree_stage(monkeypatch, None, OptimizeOptions(), raises=RuntimeError("NOT_IMPLEMENTED : no kernel"))
+    with pytest.raises(UserError, match="does not run on ONNX Runtime's CPU EP"):
+        _tree_stage(monkeypatch, None, OptimizeOptions(target="cuda"), raises=RuntimeError("segfault-ish"))
+
+
+def test_base_gate_float16_without_cpu_kernels_is_left_to_the_gpu(tmp_path, monkeypatch):
+    def fail(*a, **k):
+        raise RuntimeError("NOT_IMPLEMENTED : no float16 kernel")
+
+    monkeypatch.setattr(parity, "graph_parity", fail)
+    report, _ = _check(tmp_path, opts=OptimizeOptions(target="cuda"))
+    assert "skipped" in report["graphs"]["base"] and "incremental_max_abs" not in report
+    with pytest.raises(UserError):
+        _check(tmp_path, opts=OptimizeOptions())
