@@ -151,3 +151,8 @@ def test_typical_accept_default_alpha_is_0_3():
     probs = np.stack([flat, flat])
     assert typical_accept(tree, np.array([0, 5]), probs, Script(0.0))[0] == [0, 1]
     assert typical_accept(tree, np.array([0, 5]), probs, Script(0.0), posterior_alpha=1.3)[0] == [0]
+
+
+def test_draw_with_only_the_last_token_left_draws_it():
+    """r = [0, 0, .2]: the last cdf step holds all the mass (the fallback is only for no mass at all)."""
+    assert _draw(np.array([0.5, 0.3, 0.2]), [0, 1], Script(0.5)) == 2

@@ -266,11 +266,12 @@ def test_medusa_draft_and_host_are_per_step(monkeypatch):
 
 
 def _eagle(monkeypatch, gains: dict, *, baked=(), can_bake=False, verify=None, budget_s=100.0, cost_s=None,
-           one=(0.5, 0.25), two=2.0, grid=((1, 1), (2, 1))):
+           one=(0.5, 0.25), two=2.0, grid=((1, 1), (2, 1)), steps=1):
     """gains: (k, d) -> (gains (T,), step-wise draft s/step, host s/step). ``one``: the baked tree's
     one-call (draft, host) per step, ``two`` its step-wise draft per step. ``cost_s``: the clock's
     advance per (k, d) measured."""
     clock = Clock()
+    clock.now = 100.0  # the sweep measures elapsed time from its own start
     monkeypatch.setattr(tuning, "time", clock)
     monkeypatch.setattr(tuning, "EAGLE_GRID", list(grid))
     monkeypatch.setattr(tuning, "baked_trees", lambda manifest: list(baked))
@@ -283,10 +284,10 @@ def _eagle(monkeypatch, gains: dict, *, baked=(), can_bake=False, verify=None, b
         return np.asarray(g, dtype=float), draft, host
 
     monkeypatch.setattr(tuning, "eagle_gains", eagle_gains)
-    stepwise = FakeDec("eagle", stats=lambda kw: _stats(steps=4, time_draft=4 * two, time_host=0.0))
+    stepwise = FakeDec("eagle", stats=lambda kw: _stats(steps=steps, time_draft=steps * two, time_host=0.0))
     loads = []
     monkeypatch.setattr(tuning, "graphs", SimpleNamespace(load=lambda *a, **k: loads.append(k) or stepwise))
-    dec = FakeDec("eagle", stats=lambda kw: _stats(steps=2, time_draft=2 * one[0], time_host=2 * one[1]))
+    dec = FakeDec("eagle", stats=lambda kw: _stats(steps=steps, time_draft=steps * one[0], time_host=steps * one[1]))
     report = {"candidates": []}
     verify = verify or {n: 1.0 for n in range(1, 65)}
     cfg = tuning._tune_eagle(dec, [[1, 2]], verify, 6, report, budget_s, can_bake, "out", 1, **QUIET)
@@ -413,3 +414,12 @@ def test_record_tree_writes_the_winner_and_the_tuned_record():
         m = SimpleNamespace(tree={})
         tuning.record_tree(m, {"kind": kind, "winner": winner, "tree": tree, "confirmed": {"x": 1}})
         assert m.tree == {key: tree, "tuned": {"x": 1}}
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_eagle_ratio_with_millisecond_drafts(monkeypatch, steps):
+    """Real drafts take milliseconds: the ratio is 2 ms / 4 ms per step, not clamped by the 1e-9 guard."""
+    gains = {(2, 1): ([1.0, 2.0, 2.5], 0.008, 0.001), (1, 1): ([1.0, 1.5], 0.004, 0.001)}
+    _, report, _ = _eagle(monkeypatch, gains, baked=[(2, 1, 3)], one=(0.002, 0.0005), two=0.004, steps=steps)
+    c = next(c for c in report["candidates"] if (c["topk"], c["total_tokens"]) == (2, 3))
+    assert c["predicted_tokens_per_s"] == pytest.approx(2.5 / (1.0 + 0.008 * 0.5 + 0.0005))
