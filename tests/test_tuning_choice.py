@@ -423,3 +423,22 @@ def test_eagle_ratio_with_millisecond_drafts(monkeypatch, steps):
     _, report, _ = _eagle(monkeypatch, gains, baked=[(2, 1, 3)], one=(0.002, 0.0005), two=0.004, steps=steps)
     c = next(c for c in report["candidates"] if (c["topk"], c["total_tokens"]) == (2, 3))
     assert c["predicted_tokens_per_s"] == pytest.approx(2.5 / (1.0 + 0.008 * 0.5 + 0.0005))
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_tune_cli_forwards_its_documented_defaults_and_writes_the_report(monkeypatch, tmp_path):
+    from exporter import tune as tune_cli
+
+    got = []
+    monkeypatch.setattr(tune_cli, "tune", lambda out, **kw: got.append((out, kw)) or {"best": {"x": 1.5}})
+    assert tune_cli.main([str(tmp_path)]) == 0
+    assert got == [(str(tmp_path), {"prompts": None, "provider": "auto", "threads": None, "budget_s": 300.0,
+                                     "model_dir": None, "max_new_tokens": 48})]
+    report = tmp_path.parent / f"{tmp_path.name}-report.json"
+    assert tune_cli.main([str(tmp_path), "--threads", "2", "--budget-s", "7", "--max-new-tokens", "5",
+                          "--provider", "cpu", "--json", str(report)]) == 0
+    assert got[-1][1] == {"prompts": None, "provider": "cpu", "threads": 2, "budget_s": 7.0, "model_dir": None,
+                          "max_new_tokens": 5}
+    assert report.read_text() == '{\n  "best": {\n    "x": 1.5\n  }\n}\n'
