@@ -428,3 +428,22 @@ def test_base_gate_float16_without_cpu_kernels_is_left_to_the_gpu(tmp_path, monk
     assert "skipped" in report["graphs"]["base"] and "incremental_max_abs" not in report
     with pytest.raises(UserError):
         _check(tmp_path, opts=OptimizeOptions())
+
+
+def test_check_parity_records_the_worst_case(tmp_path):
+    """The report's max |logits| error is the worst case's and its top-1 agreement the lowest case's
+    (a quantized rewrite: recorded, not gated). Row 0 of W gets argmax 1 (error 1 where id 0 is
+    looked up), row 1 a small error (.125): cases see different ids, so their numbers differ."""
+    w = W0.copy()
+    w[0, 1] = 0.75  # row 0 [.5, -.25, ...] -> [.5, .75, ...]: error 1, argmax 0 -> 1
+    w[1, 3] = 0.125  # row 1: error .125, argmax unchanged
+    report, _ = _check(tmp_path, opts=OptimizeOptions(quantize="int4"), new_w=w)
+    base = report["graphs"]["base"]
+    per_case_top1 = [_expected_top1(i, {0}) for i in range(len(CASES))]
+    per_case_err = []
+    for i, case in enumerate(CASES):
+        ids = set(random_feed(_spec("x"), case, seed=i, vocab=V)[C.INPUT_IDS].ravel().tolist())
+        per_case_err.append(max([1.0 if 0 in ids else 0.0, 0.125 if 1 in ids else 0.0]))
+    assert len(set(per_case_top1)) > 1 and len(set(per_case_err)) > 1  # the cases differ: the test can fail
+    assert base["min_top1"] == pytest.approx(min(per_case_top1))
+    assert base["max_abs_logits"] == pytest.approx(max(per_case_err))
