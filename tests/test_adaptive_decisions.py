@@ -209,6 +209,18 @@ def test_the_plain_step_pays_its_own_host_time(rows, host_plain, spec):
 
 
 @pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("which", ["draft", "host_spec"])
+def test_a_drafted_step_adds_the_drafter_and_its_host_time(rows, which):
+    """gain 1.5 at width 2 over verify 1 and 0.6 s more (drafter or drafted host time): 0.94 x a plain
+    step, below the margin (had the 0.6 s been taken off, 3.75 x); 0.3 s more: 1.15 x, above it."""
+    g = [np.array([1.0, 1.5])] * rows
+    p = _planner({rows: 1.0, 2 * rows: 1.0}, rows=rows, **{which: 0.6})
+    assert p.plan(*_adaptive(rows, 2), g).tolist() == [1] * rows
+    p = _planner({rows: 1.0, 2 * rows: 1.0}, rows=rows, **{which: 0.3})
+    assert p.plan(*_adaptive(rows, 2), g).tolist() == [2] * rows
+
+
+@pytest.mark.parametrize("rows", [1, 2])
 def test_a_drafted_step_pays_the_drafter_and_its_host_time(rows):
     """gain 3 at width 2 over verify 1: pays unless draft or host_spec add 2 s (rate 1 < margin)."""
     g = [np.array([1.0, 3.0])] * rows
@@ -272,6 +284,21 @@ def test_no_adaptive_row_or_nothing_to_choose_returns_the_on_width():
     assert p.plan(np.array([SPEC_OFF]), np.array([1]), [None]).tolist() == [1]
 
 
+def test_adaptive_rows_without_a_tree_to_cut_are_not_a_plain_run():
+    """Adaptive rows whose full tree is the root alone: nothing to decide, so no plain run counts
+    towards a probe and no reuse window opens."""
+    p = _losing()
+    g = Counted([np.array([1.0])])
+    for _ in range(3):
+        assert p.plan(np.array([SPEC_ADAPTIVE]), np.array([1]), g).tolist() == [1]
+    assert p.plain_run == 0 and not p.probing and p.wait == 64 and g.calls == 3
+    p = _losing()
+    modes, full = np.array([SPEC_ON, SPEC_ADAPTIVE]), np.array([3, 3])
+    for _ in range(2):
+        assert p.plan(modes, full, Counted([np.ones(3)] * 2)).tolist() == [3, 3]
+    assert p.plain_run == 0 and not p.probing
+
+
 def test_first_a_drafted_step_then_one_plain_step_to_measure():
     p = Planner()
     modes, full, g = *_adaptive(2, 4), [np.arange(1.0, 5.0)] * 2
@@ -328,6 +355,15 @@ def test_a_paying_decision_resets_the_plain_run():
     p.plain_run = 5
     p.plan(*ONE, WIN)
     assert p.plain_run == 0
+
+
+@pytest.mark.parametrize("wait", [2, 5])
+def test_probe_exactly_after_wait_plain_steps_deciding_every_step(wait):
+    """recheck_every 1 (no reuse window): every step decides; still plain while plain_run <= wait."""
+    p = _losing(probe_every=wait, recheck_every=1)
+    g = Counted(LOSE)
+    widths = [int(p.plan(*ONE, g)[0]) for _ in range(wait + 1)]
+    assert widths == [1] * wait + [3] and g.calls == wait + 1
 
 
 @pytest.mark.parametrize("rows", [1, 3])
