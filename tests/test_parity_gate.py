@@ -297,8 +297,9 @@ def test_the_row_bound_is_the_atol_exactly(tmp_path, monkeypatch):
     """At the bound (dyadic tolerance, exact arithmetic): accepted; one ulp of the bound over: refused."""
     eps = 2.0**-12
     monkeypatch.setattr(optimizing, "parity_tolerance", lambda opts: (3 * eps, 0.0))
-    report, _ = _check(tmp_path, row_eps=eps)
+    report, lines = _check(tmp_path, row_eps=eps)
     assert report["incremental_max_abs"] == 3 * eps and report["atol"] == 3 * eps
+    assert any("(ok)" in x for x in lines if "rows" in x)
     monkeypatch.setattr(optimizing, "parity_tolerance", lambda opts: (np.nextafter(3 * eps, 0), 0.0))
     with pytest.raises(UserError):
         _check(tmp_path, row_eps=eps)
@@ -503,3 +504,16 @@ def test_check_parity_records_the_worst_case(tmp_path):
     assert len(set(per_case_top1)) > 1 and len(set(per_case_err)) > 1  # the cases differ: the test can fail
     assert base["min_top1"] == pytest.approx(min(per_case_top1))
     assert base["max_abs_logits"] == pytest.approx(max(per_case_err))
+
+
+def test_the_row_check_measures_eight_seeds(tmp_path, monkeypatch):
+    seeds = []
+    real = parity.incremental_consistency
+
+    def spy(*a, seed=7, **k):
+        seeds.append(seed)
+        return real(*a, seed=seed, **k)
+
+    monkeypatch.setattr(parity, "incremental_consistency", spy)
+    _check(tmp_path)
+    assert seeds == list(range(8))

@@ -290,9 +290,15 @@ def _eagle(monkeypatch, gains: dict, *, baked=(), can_bake=False, verify=None, b
     dec = FakeDec("eagle", stats=lambda kw: _stats(steps=steps, time_draft=steps * one[0], time_host=steps * one[1]))
     report = {"candidates": []}
     verify = verify or {n: 1.0 for n in range(1, 65)}
-    cfg = tuning._tune_eagle(dec, [[1, 2]], verify, 6, report, budget_s, can_bake, "out", 1, **QUIET)
+    LINES.clear()
+    lines = LINES
+    cfg = tuning._tune_eagle(dec, [[1, 2]], verify, 6, report, budget_s, can_bake, "out", 1,
+                             log=lambda *a, **k: lines.append(a[0]))
     assert loads == [{"provider": "cpu", "threads": 1, "eagle_draft": "stepwise", "adaptive": False}]
     return cfg, report, measured
+
+
+LINES: list[str] = []  # the last _eagle run's log
 
 
 def test_eagle_candidates_record_the_rate_from_the_measurements(monkeypatch):
@@ -311,6 +317,19 @@ def test_eagle_candidates_record_the_rate_from_the_measurements(monkeypatch):
     assert by[(1, 1, 2)]["predicted_tokens_per_s"] == pytest.approx(1.5 / (1.25 + 0.4 + 0.1))
     assert all(by[k]["expected_accepted"] == gains[k[:2]][0][k[2] - 1] for k in by)
     assert cfg == (2, 1, 3) and report["best"] is by[(2, 1, 3)]
+
+
+def test_eagle_logs_the_gains_and_whether_the_winner_is_baked(monkeypatch):
+    gains = {(2, 1): ([1.0, 2.0, 2.5], 0.8, 0.2), (1, 1): ([1.0, 1.5], 0.4, 0.1)}
+    _eagle(monkeypatch, gains, baked=[(2, 1, 3)])
+    assert any("(2, 1): tokens/step at n = 2..3: 2.00 2.50" in x for x in LINES)
+    best = [x for x in LINES if x.startswith("[3/4] best")]
+    assert best and "(new: baking it)" not in best[0] and "drafted one-call" in best[0]  # baked already
+    _eagle(monkeypatch, {(2, 1): ([1.0, 3.0], 0.8, 0.2), (1, 1): ([1.0, 1.5], 0.4, 0.1)}, can_bake=True)
+    assert "(new: baking it)" in [x for x in LINES if x.startswith("[3/4] best")][0]
+    _eagle(monkeypatch, {(2, 1): ([1.0, 3.0], 0.8, 0.2), (1, 1): ([1.0, 1.5], 0.4, 0.1)})
+    best = [x for x in LINES if x.startswith("[3/4] best")][0]
+    assert "(new: baking it)" not in best and "drafted stepwise" in best
 
 
 def test_eagle_can_bake_prices_every_tree_as_one_call(monkeypatch):
