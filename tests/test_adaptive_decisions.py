@@ -260,6 +260,16 @@ def test_spec_on_rows_set_the_narrowest_width_and_skip_the_margin():
     assert p.plan(modes, full, g).tolist() == [2, 3]
 
 
+def test_an_on_rows_tokens_are_its_full_trees():
+    """An ON row (3 nodes, gains [1, 1, 4]) adds its full tree's 4 tokens to every width, which makes
+    the cheaper width 3 win over 4 (7 / 1 against 9.5 / 1.5); at 1 token (its 2-node gain) width 4
+    would (4 / 1 against 6.5 / 1.5)."""
+    modes, full = np.array([SPEC_ON, SPEC_ADAPTIVE]), np.array([3, 4])
+    g = [np.array([1.0, 1.0, 4.0]), np.array([1.0, 2.0, 3.0, 5.5])]
+    p = _planner({2: 1.0, 6: 1.0, 8: 1.5}, rows=2)
+    assert p.plan(modes, full, g).tolist() == [3, 3]
+
+
 @pytest.mark.parametrize(("gain", "spec"), [(1.5, False), (1.7, True)])
 def test_off_rows_count_one_token_each(gain, spec):
     """One adaptive row and two SPEC_OFF rows: tokens(1) = 3, tokens(2) = gain + 2, over verify(3) = 1
@@ -339,9 +349,10 @@ def test_a_won_probe_halves_the_wait_down_to_probe_every(wait, after):
     assert p.plan(*ONE, WIN).tolist() == [3] and p.wait == after and not p.probing
 
 
-def test_drafted_steps_that_keep_paying_reset_the_wait():
+@pytest.mark.parametrize("last", [2, 3])
+def test_drafted_steps_that_keep_paying_reset_the_wait(last):
     p = _planner({1: 1.0, 3: 1.0}, probe_every=2, max_probe_every=64)
-    p.wait, p.last_width = 16, 3
+    p.wait, p.last_width = 16, last  # the step before drafted (any width above 1)
     p.plan(*ONE, WIN)
     assert p.wait == 2
     p = _planner({1: 1.0, 3: 1.0}, probe_every=2, max_probe_every=64)
@@ -417,8 +428,8 @@ def test_the_first_plain_decision_is_reused_only_after_a_plain_run():
 
 
 def _paying(fast_margin=1.25, rows=1, ratio=2.0):
-    """Full trees (3 nodes, all accepted) at `ratio` x the plain step's rate."""
-    return _planner({rows: 1.0, 3 * rows: 3.0 / ratio}, rows=rows, fast_margin=fast_margin)
+    """Full trees (3 nodes, all accepted) at `ratio` x the plain step's rate (2 tokens/s)."""
+    return _planner({rows: 0.5, 3 * rows: 1.5 / ratio}, rows=rows, fast_margin=fast_margin)
 
 
 @pytest.mark.parametrize("rows", [1, 2])

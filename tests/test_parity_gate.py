@@ -81,7 +81,8 @@ def _graph(path: Path, w=W0, k=K0, row_eps: float = 0.0, topk: bool = False, pro
              numpy_helper.from_array(np.array([-1], np.int64), "axis_last"),
              numpy_helper.from_array(np.zeros((2, V), np.float32) if proj is None else np.asarray(proj, np.float32),
                                      "proj"),
-             numpy_helper.from_array(np.array(-1e9, np.float32), "neg")]
+             numpy_helper.from_array(np.array(-1e9, np.float32), "neg"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
     nodes = [helper.make_node("Gather", ["W", C.INPUT_IDS], ["looked"]),
              helper.make_node("Shape", [C.INPUT_IDS], ["shape"]),
              helper.make_node("Gather", ["shape", "idx1"], ["s"]),
@@ -105,7 +106,12 @@ def _graph(path: Path, w=W0, k=K0, row_eps: float = 0.0, topk: bool = False, pro
              helper.make_node("MatMul", ["attn", "vals"], ["ctx4"]),
              helper.make_node("Squeeze", ["ctx4", "axis1"], ["ctx"]),
              helper.make_node("MatMul", ["ctx", "proj"], ["ctx_logits"]),
-             helper.make_node("Add", ["looked", "shift"], ["base_logits"]),
+             # positions enter as 0 x position (B, S, 1): a position array of the wrong length fails the call
+             helper.make_node("Cast", [C.POSITION_IDS], ["posf"], to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["posf", "axis_last"], ["pos3"]),
+             helper.make_node("Mul", ["pos3", "zero"], ["pos0"]),
+             helper.make_node("Add", ["looked", "pos0"], ["looked_p"]),
+             helper.make_node("Add", ["looked_p", "shift"], ["base_logits"]),
              helper.make_node("Add", ["base_logits", "ctx_logits"], [C.LOGITS])]
     if topk:
         nodes.append(helper.make_node("TopK", [C.LOGITS, "k2"], ["topv", C.TOPK_IDS], axis=-1))

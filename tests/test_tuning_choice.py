@@ -375,7 +375,10 @@ def test_choose_tree_reports_what_was_measured(monkeypatch):
     monkeypatch.setattr(tuning, "measured_run", lambda dec, ids, new, **kw: {"tokens_per_s": 123.0, "kw": kw})
     monkeypatch.setattr(tuning, "_tune_medusa", lambda *a, **k: [[0], [1]])
     dec = FakeDec("medusa")
-    r = tuning.choose_tree(dec, [[1]], out_dir="o", threads=2, budget_s=5.0, can_bake=False, max_new_tokens=4, **QUIET)
+    lines = []
+    r = tuning.choose_tree(dec, [[1]], out_dir="o", threads=2, budget_s=5.0, can_bake=False, max_new_tokens=4,
+                           log=lambda *a, **k: lines.append(a[0]))
+    assert "1: 2.00 ms, 2: 3.00 ms" in lines[1]  # the measured verify costs, in ms
     assert r["verify_ms"] == {1: 2.0, 2: 3.0} and r["autoregressive"]["kw"] == {"mode": "autoregressive"}
     assert r["winner"] == r["tree"] == [[0], [1]] and r["bake"] is None and r["threads"] == 2
 
@@ -384,8 +387,9 @@ def test_choose_tree_reports_what_was_measured(monkeypatch):
                                                          ("stepwise", False, False)])
 def test_choose_tree_bakes_only_a_new_one_call_winner(monkeypatch, drafting, baked, bake):
     clock = Clock()
+    clock.now = 10.0
     monkeypatch.setattr(tuning, "time", clock)
-    monkeypatch.setattr(tuning, "measure_verify", lambda dec, p: (clock.__setattr__("now", 2.0), {1: 0.001})[1])
+    monkeypatch.setattr(tuning, "measure_verify", lambda dec, p: (clock.__setattr__("now", 12.0), {1: 0.001})[1])
     monkeypatch.setattr(tuning, "measured_run", lambda dec, ids, new, **kw: {"tokens_per_s": 1.0})
     budgets = []
 
