@@ -67,7 +67,8 @@ def test_config_refuses_values_past_its_bounds(kw):
         AdaptiveConfig(**kw)
 
 
-@pytest.mark.parametrize("kw", [dict(ema=1.0), dict(ema=1e-6), dict(margin=1e-6), dict(probe_every=1, max_probe_every=1),
+@pytest.mark.parametrize("kw", [dict(ema=1.0), dict(ema=1e-6), dict(margin=1e-6),
+                                dict(probe_every=1, max_probe_every=1),
                                 dict(probe_every=4, max_probe_every=4), dict(recheck_every=1)])
 def test_config_accepts_values_at_its_bounds(kw):
     AdaptiveConfig(**kw)
@@ -86,7 +87,7 @@ def test_config_defaults_are_the_documented_ones():
 def test_static_scores_are_the_log_path_probabilities():
     tree = medusa_tree([[0], [1], [0, 0], [0, 1]])
     s = static_scores(tree)
-    f = lambda h, r: np.log(TOP1 * HEAD_DECAY**h * RANK_DECAY**r)  # noqa: E731
+    f = lambda h, r: np.log(TOP1 * HEAD_DECAY**h * RANK_DECAY**r)
     want = {(0,): f(0, 0), (1,): f(0, 1), (0, 0): f(0, 0) + f(1, 0), (0, 1): f(0, 0) + f(1, 1)}
     assert s[0] == 0.0
     got = sorted(s[1:].tolist())
@@ -437,7 +438,7 @@ def test_full_trees_that_clearly_pay_are_kept_recheck_every_steps(rows):
     p = _paying(rows=rows)
     g = Counted([np.array([1.0, 2.0, 3.0])] * rows)
     fast = []
-    for i in range(17):
+    for _ in range(17):
         assert p.plan(*_adaptive(rows, 3), g).tolist() == [3] * rows
         fast.append(p.fast)
     assert fast == [False] + [True] * 7 + [False] + [True] * 7 + [False]
@@ -478,7 +479,6 @@ def test_end_fast_and_other_rows_end_the_window():
 
 def test_a_fast_window_keeps_the_last_width_for_spec_on_rows_too():
     """In the window the width is reused as it was; the sizes still follow each row's mode."""
-    p = _paying(rows=2)
     modes, full = np.array([SPEC_ADAPTIVE, SPEC_OFF]), np.array([3, 1])
     g = Counted([np.array([1.0, 2.0, 3.0]), None])
     p2 = _planner({2: 1.0, 6: 0.5}, rows=2)

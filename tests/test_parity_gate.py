@@ -70,7 +70,8 @@ def _graph(path: Path, w=W0, k=K0, row_eps: float = 0.0, topk: bool = False, pro
     dt = {"int64": TensorProto.INT64, "bool": TensorProto.BOOL, "float32": TensorProto.FLOAT}
     vi = [helper.make_tensor_value_info(t.name, dt[t.dtype], list(t.dims)) for t in spec.inputs]
     vo = [helper.make_tensor_value_info(t.name, dt[t.dtype], list(t.dims)) for t in spec.outputs]
-    inits = [numpy_helper.from_array(np.asarray(w, np.float32), "W"), numpy_helper.from_array(np.asarray(k, np.float32), "K"),
+    inits = [numpy_helper.from_array(np.asarray(w, np.float32), "W"),
+             numpy_helper.from_array(np.asarray(k, np.float32), "K"),
              numpy_helper.from_array(np.array(row_eps, np.float32), "row_eps"),
              numpy_helper.from_array(np.array(1.0, np.float32), "one"),
              numpy_helper.from_array(np.array(1, np.int64), "idx1"),
@@ -149,10 +150,8 @@ def test_graph_parity_refuses_just_over_the_tolerance(tmp_path, factor, ok, tabl
     assert [(r.case, r.output) for r in rows] == [(c.name, o) for c in CASES for o in spec.output_names]
     hit = C.LOGITS if table == "W" else C.present_key(0)
     for r in rows:
-        if r.output == C.present_value(0) and table == "K":
-            hit_here = True  # the value output is -K: perturbed as well
-        else:
-            hit_here = r.output == hit
+        # the value output is -K: perturbed with the key
+        hit_here = r.output == hit or (r.output == C.present_value(0) and table == "K")
         assert r.ok is (ok or not hit_here), r
         assert r.max_abs == pytest.approx(d if hit_here else 0.0, rel=1e-5, abs=1e-12)
         assert r.limit == ATOL + RTOL * 0.5  # max |raw| is 0.5 for every output and case
@@ -467,7 +466,7 @@ def test_tree_gate_strictness_follows_the_rewrite(monkeypatch, opts, strict, str
 
 
 def test_tree_gate_refuses_a_failing_row(monkeypatch):
-    rows = TREE_ROWS + [_trow(C.present_key(0), max_abs=3e-4, ok=False, case="kv")]
+    rows = [*TREE_ROWS, _trow(C.present_key(0), max_abs=3e-4, ok=False, case="kv")]
     with pytest.raises(UserError, match=r"drafts another tree than the raw one: present.0.key in case kv"):
         _tree_stage(monkeypatch, rows, OptimizeOptions())
 

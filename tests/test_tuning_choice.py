@@ -170,7 +170,7 @@ CUT2 = Tree.from_parents([-1, 0], score=np.array([0.0, -1]))
 def test_eagle_gains_are_the_mean_counterfactual_gains_of_every_verified_row(monkeypatch):
     """Every verified row watched counts once; a cut tree's gains past its size stay at its last."""
     monkeypatch.setattr(tuning, "max_eagle_nodes", lambda k, d: 4)
-    rec = lambda tree, acc: SimpleNamespace(tree=tree, accepted=acc)  # noqa: E731
+    rec = lambda tree, acc: SimpleNamespace(tree=tree, accepted=acc)
     records = [[rec(CHAIN4, [0, 1, 2]), rec(CUT2, [0, 1])], [rec(CHAIN4, [0])]]
     stats = iter([_stats(steps=2, time_draft=1.0, time_host=0.5), _stats(steps=1, time_draft=0.5, time_host=1.0)])
     dec = FakeDec("eagle", stats=lambda kw: next(stats), records=records)
@@ -326,9 +326,9 @@ def test_eagle_logs_the_gains_and_whether_the_winner_is_baked(monkeypatch):
     best = [x for x in LINES if x.startswith("[3/4] best")]
     assert best and "(new: baking it)" not in best[0] and "drafted one-call" in best[0]  # baked already
     _eagle(monkeypatch, {(2, 1): ([1.0, 3.0], 0.8, 0.2), (1, 1): ([1.0, 1.5], 0.4, 0.1)}, can_bake=True)
-    assert "(new: baking it)" in [x for x in LINES if x.startswith("[3/4] best")][0]
+    assert "(new: baking it)" in next(x for x in LINES if x.startswith("[3/4] best"))
     _eagle(monkeypatch, {(2, 1): ([1.0, 3.0], 0.8, 0.2), (1, 1): ([1.0, 1.5], 0.4, 0.1)})
-    best = [x for x in LINES if x.startswith("[3/4] best")][0]
+    best = next(x for x in LINES if x.startswith("[3/4] best"))
     assert "(new: baking it)" not in best and "drafted stepwise" in best
 
 
