@@ -371,15 +371,16 @@ def test_eagle_sweep_stops_once_the_budget_is_spent(monkeypatch, spent, more):
 def test_choose_tree_reports_what_was_measured(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(tuning, "time", clock)
-    monkeypatch.setattr(tuning, "measure_verify", lambda dec, p: {1: 0.002, 2: 0.003})
+    monkeypatch.setattr(tuning, "measure_verify", lambda dec, p: {1: 0.02, 2: 0.03})
     monkeypatch.setattr(tuning, "measured_run", lambda dec, ids, new, **kw: {"tokens_per_s": 123.0, "kw": kw})
     monkeypatch.setattr(tuning, "_tune_medusa", lambda *a, **k: [[0], [1]])
     dec = FakeDec("medusa")
     lines = []
     r = tuning.choose_tree(dec, [[1]], out_dir="o", threads=2, budget_s=5.0, can_bake=False, max_new_tokens=4,
                            log=lambda *a, **k: lines.append(a[0]))
-    assert "1: 2.00 ms, 2: 3.00 ms" in lines[1]  # the measured verify costs, in ms
-    assert r["verify_ms"] == {1: 2.0, 2: 3.0} and r["autoregressive"]["kw"] == {"mode": "autoregressive"}
+    assert "1: 20.00 ms, 2: 30.00 ms" in lines[1]  # the measured verify costs, in ms
+    assert r["verify_ms"] == pytest.approx({1: 20.0, 2: 30.0})
+    assert r["autoregressive"]["kw"] == {"mode": "autoregressive"}
     assert r["winner"] == r["tree"] == [[0], [1]] and r["bake"] is None and r["threads"] == 2
 
 
