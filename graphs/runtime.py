@@ -403,7 +403,7 @@ class Decoder:
             events = engine.step()
             tot = engine.totals
             for name in ("steps", "plain_steps", "accepted", "time_prefill", "time_draft", "time_verify",
-                         "draft_calls"):
+                         "draft_calls", "draft_tokens", "accepted_drafts", "accepted_per_pos"):
                 setattr(stats, name, getattr(tot, name))
             stats.time_total = _now() - t0
             stats.new_tokens = sum(len(q.tokens) for q in run.requests)

@@ -27,6 +27,12 @@ def test_tune_medusa_records_a_grown_tree(exported, tmp_path):
     assert m["tree"]["medusa_paths"] == report["best"]["medusa_paths"]
     tuned = m["tree"]["tuned"]
     assert tuned["predicted_tokens_per_s"] > 0 and tuned["measured_tokens_per_s"] > 0
+    # the manifest records what was predicted and measured, exactly: the best candidate's rate, the
+    # confirming run's tokens/s (report["confirmed"] is the record confirm() built from that run)
+    assert tuned == json.loads(json.dumps(report["confirmed"]))
+    assert tuned["predicted_tokens_per_s"] == report["best"]["predicted_tokens_per_s"] == max(
+        c["predicted_tokens_per_s"] for c in report["candidates"])
+    assert tuned["autoregressive_tokens_per_s"] == report["autoregressive"]["tokens_per_s"]
     acc = report["medusa_acceptance"]
     assert len(acc) == 2 and all(0 <= a <= 1 for row in acc for a in row)
     dec = graphs.load(out, provider="cpu", threads=1)  # sha256 of every file checked: rehashed
@@ -42,6 +48,9 @@ def test_tune_eagle_bakes_a_new_winner(exported, tiny_model_dir, tmp_path):
     best = report["best"]
     cfg = {k: best[k] for k in ("topk", "depth", "total_tokens")}
     assert m["tree"]["eagle"] == cfg
+    assert best["predicted_tokens_per_s"] == max(c["predicted_tokens_per_s"] for c in report["candidates"])
+    assert m["tree"]["tuned"] == json.loads(json.dumps(report["confirmed"]))
+    assert m["tree"]["tuned"]["predicted_tokens_per_s"] == best["predicted_tokens_per_s"]
     role = f"draft_tree.{cfg['topk']}-{cfg['depth']}-{cfg['total_tokens']}"
     assert role in m["graphs"] and any(e["graph"] == role for e in m["tree"]["eagle_trees"])
     dec = graphs.load(out, provider="cpu", threads=1, eagle_draft="one_call", adaptive=False)  # baked
