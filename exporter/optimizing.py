@@ -335,7 +335,7 @@ def check_rows(path: Path, spec: C.GraphSpec, source: dict, opts: OptimizeOption
     from exporter.passes.parity import row_consistency
 
     runs = [row_consistency(path, spec, source["vocab_size"], seed=seed,
-                            kv_dims=(source["num_kv_heads"], source["head_dim"])) for seed in range(8)]
+                            kv_dims=(source.get("num_kv_heads"), source.get("head_dim"))) for seed in range(8)]
     single, multi = max(r["single"] for r in runs), max(r["multi"] for r in runs)
     quantized = opts.quantize != "none"
     rec = {"single_max_abs": single, "multi_max_abs": multi, "limit": limit, "sizes": runs[0]["sizes"],

@@ -5,8 +5,9 @@ under (or exactly at it) passes, and what the report records is what was measure
 The graphs are built here with onnx.helper (no torch, no export): logits are a lookup in an
 initializer ``W`` (so perturbing ``W`` by ``d`` puts an error of exactly ``d`` on the logits), the
 K/V presents lookups in ``K``/``V``, and an optional ``row_eps`` adds ``row_eps * (S - 1)`` to every
-logit, so a token computed in a call of S rows differs from the same token alone by that much (what
-the row-consistency check measures).
+logit, so a token computed in a call of S rows differs from the same token in a call of S' rows by
+``row_eps * |S - S'|``; ``row_single`` adds its value only to calls of one row (MLAS's M == 1 kernel):
+what the rows check measures.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from exporter.compare_report import TOLERANCES
 from exporter.errors import UserError
 from exporter.optimizing import OptimizeOptions, check_parity, parity_tolerance
 from exporter.passes import parity
-from exporter.passes.parity import CASES, TREE_CASES, Case, graph_parity, incremental_consistency, random_feed
+from exporter.passes.parity import CASES, ROW_SIZES, TREE_CASES, Case, graph_parity, random_feed, row_consistency
 from graphs import contract as C
 
 V = 4  # vocabulary (random_feed draws ids below `vocab`, passed as V: every row of W is looked up)
@@ -53,7 +54,7 @@ ROW_SCALE = np.array([0.25, 1.0, 0.5, 0.5], np.float32)  # ... and by the token 
 
 
 def _row_token(seed: int, past: int = 20) -> int:
-    """The token incremental_consistency checks (row ``past`` of its seeded random ids)."""
+    """The first token of the chain the rows check calls (row ``past`` of its seeded random ids)."""
     return int(np.random.default_rng(seed).integers(0, V, past + 4)[past])
 
 
@@ -61,7 +62,8 @@ def _row_effect(eps: float, seed: int = 7) -> float:
     return 3 * eps * float(ROW_SCALE[_row_token(seed)])
 
 
-def _graph(path: Path, w=W0, k=K0, row_eps: float = 0.0, topk: bool = False, proj=None) -> Path:
+def _graph(path: Path, w=W0, k=K0, row_eps: float = 0.0, topk: bool = False, proj=None, row_single: float = 0.0
+           ) -> Path:
     """The lookup graph, plus one masked attention over the past and the new rows (keys K[ids],
     values -K[ids]) whose context goes through ``proj`` (2, V) into the logits: zero by default (the
     logits stay exact lookups), but the attention still runs, so a past, mask or position of the
@@ -73,6 +75,7 @@ def _graph(path: Path, w=W0, k=K0, row_eps: float = 0.0, topk: bool = False, pro
     inits = [numpy_helper.from_array(np.asarray(w, np.float32), "W"),
              numpy_helper.from_array(np.asarray(k, np.float32), "K"),
              numpy_helper.from_array(np.array(row_eps, np.float32), "row_eps"),
+             numpy_helper.from_array(np.array(row_single, np.float32), "row_single"),
              numpy_helper.from_array(np.array(1.0, np.float32), "one"),
              numpy_helper.from_array(np.array(1, np.int64), "idx1"),
              numpy_helper.from_array(np.array([1], np.int64), "axis1"),
@@ -89,7 +92,11 @@ def _graph(path: Path, w=W0, k=K0, row_eps: float = 0.0, topk: bool = False, pro
              helper.make_node("Gather", ["shape", "idx1"], ["s"]),
              helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT),
              helper.make_node("Sub", ["sf", "one"], ["sm1"]),
-             helper.make_node("Mul", ["sm1", "row_eps"], ["shift0"]),
+             helper.make_node("Mul", ["sm1", "row_eps"], ["shift_lin"]),
+             helper.make_node("Equal", ["sf", "one"], ["is_one"]),
+             helper.make_node("Cast", ["is_one"], ["is_one_f"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["is_one_f", "row_single"], ["shift_one"]),
+             helper.make_node("Add", ["shift_lin", "shift_one"], ["shift0"]),
              helper.make_node("Mul", ["shift0", "row_vec"], ["shift1"]),
              helper.make_node("Gather", ["row_scale", C.INPUT_IDS], ["scale0"]),
              helper.make_node("Unsqueeze", ["scale0", "axis_last"], ["scale"]),
@@ -200,37 +207,54 @@ def test_graph_parity_records_the_top1_agreement_and_topk_agreement_measured(tmp
 
 # ----------------------------------------------------------------------------- row consistency
 
-@pytest.mark.parametrize("eps", [0.0, 2.0**-12, 2.0**-8])
-def test_incremental_consistency_measures_the_row_effect(tmp_path, eps):
-    """A token alone (S=1) vs row 0 of a 4-row call: the graph adds eps * (S - 1) * [1, .5, .25, 0]
-    * scale[token] to the logits, so the largest difference is exactly 3 eps * scale[token], for the
-    token the seed draws (seed 7 by default)."""
-    path = _graph(tmp_path / "g.onnx", row_eps=eps)
-    assert incremental_consistency(path, _spec("g.onnx"), V) == pytest.approx(_row_effect(eps), rel=1e-6, abs=0)
-    for seed in (0, 5):
-        got = incremental_consistency(path, _spec("g.onnx"), V, seed=seed)
-        assert got == pytest.approx(_row_effect(eps, seed), rel=1e-6, abs=0)
-    assert {_row_token(7), _row_token(0), _row_token(5)} == {3, 1, 0}  # three different scales: the test can fail
+
+def _chain(seed: int, past: int = 20) -> np.ndarray:
+    """The chain of tokens row_consistency calls after its past (its seeded random ids)."""
+    t = max(ROW_SIZES)
+    return np.random.default_rng(seed).integers(0, V, past + t)[past:]
 
 
-@pytest.mark.parametrize("eps", [0.0, 2.0**-8])
-def test_incremental_consistency_over_a_past_the_graph_computed(tmp_path, eps):
-    """With the attention's context in the logits, the token alone and row 0 of the 4-row call see the
-    same prefilled past and themselves only: they agree but for the built-in row effect."""
+def _expected_rows(eps: float, single: float, seed: int = 7) -> tuple[float, float]:
+    """(single, multi) for the synthetic graph: row j of an M-row call carries eps * (M - 1) (+ single
+    when M == 1) times scale[token j]; the reference is the largest call."""
+    t, chain = max(ROW_SIZES), _chain(seed)
+    sc = ROW_SCALE[chain]
+    one = abs(single - eps * (t - 1)) * sc[0]
+    multi = max(eps * (t - m) * float(sc[:m].max()) for m in ROW_SIZES if m > 1)
+    return float(one), float(multi)
+
+
+@pytest.mark.parametrize(("eps", "single"), [(0.0, 0.0), (2.0**-12, 0.0), (0.0, 2.0**-8), (2.0**-10, 2.0**-8)])
+def test_row_consistency_measures_the_row_effect(tmp_path, eps, single):
+    """Calls of 1, 2, 3, 4, 6, 8, 12, 16 rows over the same past, row j against row j of the
+    16-row call: the measured bounds are exactly the synthetic effect, for several seeds."""
+    path = _graph(tmp_path / "g.onnx", row_eps=eps, row_single=single)
+    for seed in (7, 0, 5):
+        got = row_consistency(path, _spec("g.onnx"), V, seed=seed)
+        want = _expected_rows(eps, single, seed)
+        assert got["sizes"] == list(ROW_SIZES)
+        assert got["single"] == pytest.approx(want[0], rel=1e-5, abs=1e-9)
+        assert got["multi"] == pytest.approx(want[1], rel=1e-5, abs=1e-9)
+
+
+def test_row_consistency_over_a_past_the_graph_computed(tmp_path):
+    """With the attention's context in the logits, every call sees the same prefilled past: no row
+    effect, nothing measured."""
     proj = np.array([[1.0, -0.5, 0.25, 2.0], [0.5, 1.0, -1.0, 0.0]])
-    path = _graph(tmp_path / "g.onnx", row_eps=eps, proj=proj)
-    assert incremental_consistency(path, _spec("g.onnx"), V) == pytest.approx(_row_effect(eps), abs=1e-6)
+    got = row_consistency(_graph(tmp_path / "g.onnx", proj=proj), _spec("g.onnx"), V)
+    assert got["single"] < 1e-6 and got["multi"] < 1e-6
 
 
 # ----------------------------------------------------------------------------- the stage's own gate
 
 
-def _stage(tmp_path, new_w=W0, row_eps=0.0, role="base"):
+def _stage(tmp_path, new_w=W0, row_eps=0.0, role="base", row_single=0.0):
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     out.mkdir(exist_ok=True)
     tmp.mkdir(exist_ok=True)
-    _graph(out / f"{role}.onnx", row_eps=row_eps)  # the row effect on both sides: parity itself passes
-    _graph(tmp / f"{role}.onnx", w=new_w, row_eps=row_eps)
+    # the row effect on both sides: parity itself passes
+    _graph(out / f"{role}.onnx", row_eps=row_eps, row_single=row_single)
+    _graph(tmp / f"{role}.onnx", w=new_w, row_eps=row_eps, row_single=row_single)
     spec = _spec(f"{role}.onnx")
     manifest = SimpleNamespace(graphs={role: spec}, source={"vocab_size": V})
     return out, tmp, manifest, {role: spec}
@@ -267,7 +291,7 @@ def test_check_parity_refuses_a_rewrite_just_over_the_tolerance(tmp_path, factor
     assert base["ok"] is True and base["max_abs_logits"] == pytest.approx(d, rel=1e-3)
     assert base["min_top1"] == 1.0
     assert all(r["limit"] == pytest.approx(limit) for r in base["rows"])
-    assert report["incremental_max_abs"] == 0.0
+    assert report["rows"]["single_max_abs"] == 0.0 and report["rows"]["multi_max_abs"] == 0.0
     assert any("ok" in x and "parity" in x for x in lines)
 
 
@@ -280,52 +304,47 @@ def test_check_parity_quantized_reports_and_does_not_gate(tmp_path):
     assert _check(tmp_path, opts=OptimizeOptions(quantize_draft="int8"))[0]["strict"] is False
 
 
-@pytest.mark.parametrize(("factor", "ok"), [(0.99, True), (1.01, False)])
-def test_check_parity_row_consistency_bound(tmp_path, factor, ok):
-    """One token alone vs in a 4-token call must agree within atol (float32 CPU: 1e-4) over 8 seeds:
-    the worst seed's 3 eps (its token has scale 1; others have less) just under passes and is
-    recorded as measured; just over is refused."""
-    assert max(ROW_SCALE[_row_token(seed)] for seed in range(8)) == 1.0
-    assert min(ROW_SCALE[_row_token(seed)] for seed in range(8)) < 1.0  # the worst seed is not every seed
+@pytest.mark.parametrize(("factor", "refused"), [(0.99, False), (1.0, False), (1.01, True)])
+def test_check_parity_refuses_calls_of_several_rows_that_disagree(tmp_path, monkeypatch, factor, refused):
+    """The several-row bound is the float32 atol, through the stage's entry point: just under and at it
+    accepted and recorded as measured, just over refused (with the fix named)."""
     bound = TOLERANCES[("float32", "cpu")].atol
-    eps = bound * factor / 3
-    if not ok:
-        with pytest.raises(UserError, match="different logits alone and in a tree"):
-            _check(tmp_path, row_eps=eps)
+    monkeypatch.setattr(parity, "row_consistency", lambda *a, **k: {"single": 0.0, "multi": bound * factor,
+                                                                    "sizes": list(ROW_SIZES)})
+    if refused:
+        with pytest.raises(UserError, match="calls of different sizes"):
+            _check(tmp_path)
         return
-    report, lines = _check(tmp_path, row_eps=eps)
-    assert report["incremental_max_abs"] == pytest.approx(3 * eps, rel=1e-4)
-    assert any("ok" in x for x in lines if "rows" in x)
+    report, lines = _check(tmp_path)
+    assert report["rows"]["multi_max_abs"] == bound * factor and report["rows"]["limit"] == bound
+    assert report["rows"]["min_rows"] == 1 and any("rows" in x for x in lines)
 
 
-def test_the_row_bound_is_the_atol_exactly(tmp_path, monkeypatch):
-    """At the bound (dyadic tolerance, exact arithmetic): accepted; one ulp of the bound over: refused."""
-    eps = 2.0**-12
-    monkeypatch.setattr(optimizing, "parity_tolerance", lambda opts: (3 * eps, 0.0))
-    report, lines = _check(tmp_path, row_eps=eps)
-    assert report["incremental_max_abs"] == 3 * eps and report["atol"] == 3 * eps
-    assert any("(ok)" in x for x in lines if "rows" in x)
-    monkeypatch.setattr(optimizing, "parity_tolerance", lambda opts: (np.nextafter(3 * eps, 0), 0.0))
-    with pytest.raises(UserError):
-        _check(tmp_path, row_eps=eps)
+@pytest.mark.parametrize(("single", "min_rows"), [(0.0, 1), (0.98e-4, 1), (1.02e-4, 2), (1.0, 2)])
+def test_a_one_row_call_alone_off_sets_min_rows(tmp_path, single, min_rows):
+    """Only one-row calls round otherwise (the synthetic graph's row_single): never refused, the
+    runtime told to pad (min_rows 2) exactly when the single-row bound exceeds the limit."""
+    report, lines = _check(tmp_path, row_single=single)
+    assert report["rows"]["single_max_abs"] == pytest.approx(single * max(ROW_SCALE[_chain(s)[0]] for s in range(8)),
+                                                             rel=2e-3, abs=1e-9)  # float32 logits near .5
+    assert report["rows"]["multi_max_abs"] == 0.0 and report["rows"]["min_rows"] == min_rows
+    assert any("two rows" in x for x in lines) is (min_rows == 2)
 
 
-def test_row_inconsistency_with_accuracy_level_4_warns_instead(tmp_path):
-    """Quantized at accuracy level 4 (int8 activations) the inconsistency is known: a warning, not a
-    refusal; quantized at level 0 it is still refused."""
-    eps = 1e-3
-    report, lines = _check(tmp_path, opts=OptimizeOptions(quantize="int4", accuracy_level=4), row_eps=eps)
-    assert report["incremental_max_abs"] == pytest.approx(3 * eps, rel=1e-4)
-    assert any("accuracy level 4" in x for x in lines) and any("NOT consistent" in x for x in lines)
-    with pytest.raises(UserError, match="different logits alone and in a tree"):
-        _check(tmp_path, opts=OptimizeOptions(quantize="int4", accuracy_level=0), row_eps=eps)
+def test_the_synthetic_row_effect_is_refused_through_the_stage(tmp_path):
+    """A real (linear in S) row effect: every call size disagrees, refused; at level 4 the message names
+    --accuracy-level 0; a draft graph is never held to it (next test)."""
+    with pytest.raises(UserError, match="calls of different sizes"):
+        _check(tmp_path, row_eps=1e-3)
+    with pytest.raises(UserError, match="--accuracy-level 0"):
+        _check(tmp_path, opts=OptimizeOptions(quantize="int4"), row_eps=1e-3)
 
 
 def test_a_draft_graph_is_gated_without_the_row_check(tmp_path):
     """The row-consistency check is the base's (it decides what is emitted); a draft graph is held to
     the tolerance only."""
     report, _ = _check(tmp_path, role="draft", row_eps=1e-2)
-    assert "incremental_max_abs" not in report and report["graphs"]["draft"]["ok"] is True
+    assert "rows" not in report and report["graphs"]["draft"]["ok"] is True
     tol = TOLERANCES[("float32", "cpu")]
     with pytest.raises(UserError, match="optimized draft graph disagrees"):
         _check(tmp_path, role="draft", new_w=_perturbed(3, (tol.atol + tol.rtol * 0.5) * 1.01))
@@ -487,7 +506,7 @@ def test_base_gate_float16_without_cpu_kernels_is_left_to_the_gpu(tmp_path, monk
 
     monkeypatch.setattr(parity, "graph_parity", fail)
     report, _ = _check(tmp_path, opts=OptimizeOptions(target="cuda"))
-    assert "skipped" in report["graphs"]["base"] and "incremental_max_abs" not in report
+    assert "skipped" in report["graphs"]["base"] and "rows" not in report
     with pytest.raises(UserError):
         _check(tmp_path, opts=OptimizeOptions())
 
@@ -513,12 +532,12 @@ def test_check_parity_records_the_worst_case(tmp_path):
 
 def test_the_row_check_measures_eight_seeds(tmp_path, monkeypatch):
     seeds = []
-    real = parity.incremental_consistency
+    real = parity.row_consistency
 
     def spy(*a, seed=7, **k):
         seeds.append(seed)
         return real(*a, seed=seed, **k)
 
-    monkeypatch.setattr(parity, "incremental_consistency", spy)
+    monkeypatch.setattr(parity, "row_consistency", spy)
     _check(tmp_path)
     assert seeds == list(range(8))
