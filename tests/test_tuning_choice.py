@@ -88,6 +88,7 @@ def test_measure_verify_records_the_median_of_the_repeats(monkeypatch):
 
     class Dec(FakeDec):
         dtype = np.float32
+        kv_layout = "bhsd"
 
         def base_forward(self, kv, ids, pos, mask):
             n = ids.shape[1]
@@ -141,6 +142,7 @@ def test_medusa_acceptance_counts_each_heads_first_matching_rank(monkeypatch):
 
     class Dec(FakeDec):
         dtype = np.float32
+        kv_layout = "bhsd"
 
         def generate(self, prompt, **kw):
             assert kw == {"max_new_tokens": 4, "mode": "autoregressive"}
