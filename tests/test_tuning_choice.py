@@ -76,7 +76,7 @@ def test_measure_verify_records_the_median_of_the_repeats(monkeypatch):
     made = []
 
     class KV:
-        def __init__(self, *a):
+        def __init__(self, *a, layout="bhsd"):
             made.append(a)
 
         def append(self, presents, pos, lengths):
@@ -135,7 +135,7 @@ def test_medusa_acceptance_counts_each_heads_first_matching_rank(monkeypatch):
     made, feeds = [], []
 
     class KV:
-        def __init__(self, *a):
+        def __init__(self, *a, layout="bhsd"):
             made.append(a)
 
     monkeypatch.setattr(tuning, "KVCache", KV)
