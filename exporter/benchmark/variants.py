@@ -33,11 +33,13 @@ from exporter.errors import UserError
 VARIANTS: dict[str, dict] = {
     "raw": {},  # the export as traced
     "fused": {"quantize": "none"},
-    "int8": {"quantize": "int8"},
+    "int8": {"quantize": "int8"},  # optimize's default: accuracy level 4 behind its rows gate
     "int4": {"quantize": "int4"},
-    # accuracy level 4 (int8 activations): faster, but not row-consistent (exporter.optimize)
-    "int8-fast": {"quantize": "int8", "accuracy_level": 4},
-    "int4-fast": {"quantize": "int4", "accuracy_level": 4},
+    # float32 compute (accuracy level 0): row-consistent on every CPU, slower
+    "int8-exact": {"quantize": "int8", "accuracy_level": 0},
+    "int4-exact": {"quantize": "int4", "accuracy_level": 0},
+    # the concatenating K/V form optimize wrote before K/V in place (for side-by-side runs)
+    "fused-concat": {"quantize": "none", "kv_in_place": False},
 }
 TREE_TOKENS = (1, 8, 16, 32)
 
