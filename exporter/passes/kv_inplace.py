@@ -312,8 +312,9 @@ def _rotary_tables(proto: onnx.ModelProto, max_positions: int, base_dir) -> None
                                [onnx.helper.make_tensor_value_info(h, TensorProto.FLOAT, None) for h in halves],
                                sub_inits),
         opset_imports=list(proto.opset_import))
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
+    from graphs.sessions import default_session_options  # honours a process-wide thread pool (bench)
+
+    so = default_session_options(1)
     tables = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
         halves, {C.POSITION_IDS: np.arange(max_positions, dtype=np.int64)[None]})
     hd2 = tables[0].shape[-1]
