@@ -53,7 +53,7 @@ from graphs import contract as C
 from graphs.adaptive import IDLE, SPEC_ADAPTIVE, SPEC_OFF, SPEC_ON, AdaptiveConfig, Planner, RowGains
 from graphs.errors import CapacityError, InputError
 from graphs.params import GenerationParams, Resolved
-from graphs.proposers import Eagle, Medusa, Plain, presents
+from graphs.proposers import Eagle, Medusa, Plain
 from graphs.results import RequestEvent, Sampler, Stats
 from graphs.slots import SlotCache
 

@@ -425,7 +425,8 @@ def batch_config(source: dict, dtype, n_prompts: int, longest: int, max_len: int
     """The private engine of a batch: every prompt in one prefill call while that fits the bounds above
     (the batch then runs as it always did); beyond them, as many rows as the K/V bound holds, the
     other prompts waiting for a free row (the engine's queue: the same tokens, greedy or seeded)."""
-    per_row = 2 * source["num_layers"] * source["num_kv_heads"] * source["head_dim"] * np.dtype(dtype).itemsize * max_len
+    per_row = (2 * source["num_layers"] * source["num_kv_heads"] * source["head_dim"] * np.dtype(dtype).itemsize
+               * max_len)
     rows = max(1, min(n_prompts, BATCH_KV_BYTES // max(per_row, 1)))
     longest = max(longest, 1)
     # any tree fits (max_tree); nothing else shares this engine

@@ -9,7 +9,6 @@ bounded time.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 

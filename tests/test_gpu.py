@@ -61,8 +61,9 @@ def test_cuda_float16_greedy_speculative_equals_autoregressive(cuda_export, kind
     sp = dec.generate(PROMPTS, max_new_tokens=24, mode="speculative")
     # CUDA kernels pick tiles by row count: rows are not bit-identical across call shapes. The
     # contract: equal, or diverging only at a near-tie within the rows bound measured on the device.
-    from exporter.passes.parity import row_consistency
     from helpers import assert_greedy_within_bound
+
+    from exporter.passes.parity import row_consistency
 
     src = m.source
     rows = [row_consistency(out / m.graphs["base"].file, m.graphs["base"], src["vocab_size"], seed=seed,

@@ -20,7 +20,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from exporter import optimizing
 from exporter.compare_report import TOLERANCES
 from exporter.errors import UserError
 from exporter.optimizing import OptimizeOptions, check_parity, parity_tolerance

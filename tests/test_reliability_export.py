@@ -292,7 +292,6 @@ def _full_disk(monkeypatch, where: str) -> None:
     import onnx
 
     if where == "graph":  # the tracer's graph file, half written
-        real_save = onnx.save
 
         def save(proto, f, *a, **k):
             Path(f).write_bytes(proto.SerializeToString()[:100])

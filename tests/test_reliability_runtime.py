@@ -516,11 +516,11 @@ def test_graph_asking_for_40_gb_is_one_clear_error(tmp_path):
 def test_allocation_failure_in_generate_is_one_line_exit_2(exported, monkeypatch, capsys):
     """Through the command line: the base graph's run failing to allocate (hooked: ONNX Runtime's own
     exception and text) is one ``error:`` line, exit 2, no traceback."""
+    from helpers import one_line
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
     import graphs.sessions as S
     from exporter.generate import main
-    from helpers import one_line
 
     out = exported("medusa")  # built before the hook
     real = S.ort.InferenceSession

@@ -56,11 +56,9 @@ def verify_latency(dirs: dict[str, Path], tree_tokens=TREE_TOKENS, past: int = 2
                    runs: int = 10, threads: int | None = None) -> dict:
     """{variant: {tokens: median ms}} of the base graph, variants interleaved."""
     from exporter.passes.parity import Case, random_feed
-    from graphs.manifest import Manifest
-    from graphs.sessions import make_session
-
     from graphs import contract as C
-    from graphs.sessions import InPlaceRun
+    from graphs.manifest import Manifest
+    from graphs.sessions import InPlaceRun, make_session
 
     calls, feeds = {}, {}
     for name, d in dirs.items():

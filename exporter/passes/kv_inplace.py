@@ -56,12 +56,12 @@ def write_in_place(proto: onnx.ModelProto, num_layers: int, q_heads: int, kv_hea
         if max_positions:
             _rotary_tables(compact, int(max_positions), base_dir)
         return compact, "bsh"
-    except _NoMatch:
+    except _NoMatchError:
         _scatter_4d(proto, num_layers)
         return proto, "bhsd"
 
 
-class _NoMatch(Exception):
+class _NoMatchError(Exception):
     pass
 
 
@@ -120,7 +120,7 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
 
     with the K/V buffers (B, P, kv * hd) and each layer's cos/sin halves sliced once for all layers.
     The same arithmetic (the ONNX ops' 3-D forms split heads as the Reshapes did); what the shape
-    plumbing computed becomes dead and is removed. Raises _NoMatch on anything else (a q/k norm
+    plumbing computed becomes dead and is removed. Raises _NoMatchError on anything else (a q/k norm
     between the Reshape and the Transpose, partial rotary, ...): the caller keeps the 4-D layout."""
     g = proto.graph
     producer = {o: n for n in g.node for o in n.output}
@@ -139,7 +139,7 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
     def op(name, kind):
         n = producer.get(name)
         if n is None or n.op_type != kind:
-            raise _NoMatch(f"{name}: not {kind}")
+            raise _NoMatchError(f"{name}: not {kind}")
         return n
 
     def attrs(n):
@@ -151,53 +151,53 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
             cat = op(reshape.input[1], "Concat")
             tail = [const(x) for x in cat.input[2:]]
             if len(cat.input) != 4 or None in tail:
-                raise _NoMatch("reshape target")
+                raise _NoMatchError("reshape target")
             shape = [0, 0] + [t[0] for t in tail]
         if shape[-1] != hd or shape[-2] not in (heads, -1):
-            raise _NoMatch(f"reshape to {shape}, not (B, S, {heads}, {hd})")
+            raise _NoMatchError(f"reshape to {shape}, not (B, S, {heads}, {hd})")
 
     def split_heads(x4, heads):
         """x4 = Transpose(Reshape(x3)) (B, heads, S, hd) -> x3 (B, S, heads * hd)."""
         t = op(x4, "Transpose")
         if attrs(t).get("perm") != [0, 2, 1, 3]:
-            raise _NoMatch("transpose")
+            raise _NoMatchError("transpose")
         r = op(t.input[0], "Reshape")
         heads_of(r, heads)
         return r.input[0]
 
     attentions = [n for n in g.node if n.op_type == "Attention"]
     if len(attentions) != num_layers:
-        raise _NoMatch("not one Attention per layer")
+        raise _NoMatchError("not one Attention per layer")
     half = {}  # cos/sin (B, S, hd) -> its first half, sliced once
     new_nodes, drop, out_rename = [], set(), {}
     for att in attentions:
         if len(att.input) != 4 or set(attrs(att)) - {"scale"}:
-            raise _NoMatch("attention inputs")
+            raise _NoMatchError("attention inputs")
         q4, k_all, v_all, mask = att.input
         rq = op(q4, "RotaryEmbedding")
         cat_k, cat_v = op(k_all, "Concat"), op(v_all, "Concat")
         past_k, new_k = cat_k.input
         past_v, new_v = cat_v.input
         if not (past_k.startswith("past_key_values.") and past_v.startswith("past_key_values.")):
-            raise _NoMatch("concat of a past")
+            raise _NoMatchError("concat of a past")
         rk = op(new_k, "RotaryEmbedding")
         if attrs(rq) or attrs(rk):  # interleaved / partial rotary: keep the 4-D graph
-            raise _NoMatch("rotary attributes")
+            raise _NoMatchError("rotary attributes")
         q3, k3, v3 = split_heads(rq.input[0], nq), split_heads(rk.input[0], nkv), split_heads(new_v, nkv)
         fused = _fuse_qkv(g, producer, inits, q3, k3, v3, base_dir)
         if fused is not None:
             new_nodes.append(("qkv", fused))
         after_t = [n for n in g.node if att.output[0] in n.input]
         if len(after_t) != 1 or after_t[0].op_type != "Transpose" or attrs(after_t[0]).get("perm") != [0, 2, 1, 3]:
-            raise _NoMatch("attention output transpose")
+            raise _NoMatchError("attention output transpose")
         after_r = [n for n in g.node if after_t[0].output[0] in n.input]
         if len(after_r) != 1 or after_r[0].op_type != "Reshape":
-            raise _NoMatch("attention output reshape")
+            raise _NoMatchError("attention output reshape")
         out3 = after_r[0].output[0]
         for cs in (rq.input[1], rq.input[2], rk.input[1], rk.input[2]):
             sl = op(cs, "Slice")
             if const(sl.input[1]) != [0] or const(sl.input[3]) not in ([2], [-1]):
-                raise _NoMatch("cos/sin slice")
+                raise _NoMatchError("cos/sin slice")
             if sl.input[0] not in half:
                 name = f"kv_rotary_half/{len(half)}"
                 half[sl.input[0]] = name
