@@ -330,6 +330,18 @@ def test_a_one_row_call_alone_off_sets_min_rows(tmp_path, single, min_rows):
     assert any("two rows" in x for x in lines) is (min_rows == 2)
 
 
+@pytest.mark.parametrize(("factor", "min_rows"), [(0.99, 1), (1.0, 1), (1.01, 2)])
+def test_min_rows_at_the_single_row_bound(tmp_path, monkeypatch, factor, min_rows):
+    """The one-row bound is the float32 atol exactly: at it no padding, just over it two rows."""
+    bound = TOLERANCES[("float32", "cpu")].atol
+    monkeypatch.setattr(parity, "row_consistency", lambda *a, **k: {"single": bound * factor, "multi": 0.0,
+                                                                    "sizes": list(ROW_SIZES)})
+    report, lines = _check(tmp_path)
+    assert report["rows"]["min_rows"] == min_rows and report["rows"]["single_max_abs"] == bound * factor
+    assert report["rows"]["sizes"] == list(ROW_SIZES)
+    assert any("2/3/4/6/8/12/16 rows" in x for x in lines)  # the call sizes it measured, as logged
+
+
 def test_the_synthetic_row_effect_is_refused_through_the_stage(tmp_path):
     """A real (linear in S) row effect: every call size disagrees, refused; at level 4 the message names
     --accuracy-level 0; a draft graph is never held to it (next test)."""
@@ -337,6 +349,10 @@ def test_the_synthetic_row_effect_is_refused_through_the_stage(tmp_path):
         _check(tmp_path, row_eps=1e-3)
     with pytest.raises(UserError, match="--accuracy-level 0"):
         _check(tmp_path, opts=OptimizeOptions(quantize="int4"), row_eps=1e-3)
+    with pytest.raises(UserError, match="--no-fuse"):  # float32 compute already: the fix is not the level
+        _check(tmp_path, opts=OptimizeOptions(quantize="int4", accuracy_level=0), row_eps=1e-3)
+    with pytest.raises(UserError, match="--no-fuse"):
+        _check(tmp_path, row_eps=1e-3)
 
 
 def test_a_draft_graph_is_gated_without_the_row_check(tmp_path):
