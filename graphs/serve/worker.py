@@ -197,6 +197,8 @@ class Worker:
             log.error("engine step failed; ending %d live requests and rebuilding the engine:\n%s",
                       len(self._handles), "".join(traceback.format_exception(error)))
         message = f"the engine failed: {type(error).__name__}: {error}"
+        if rebuild:  # before the requests hear of it: a client that retries at once finds a fresh engine
+            self.engine = self.dec.engine(self.config)
         batches: dict = {}
         for rid, h in list(self._handles.items()):
             h.done = True
@@ -208,8 +210,6 @@ class Worker:
             cmd = self._commands.popleft()
             if cmd[0] == "add":
                 cmd[6].call_soon_threadsafe(_set, cmd[7], None, RuntimeError(message))
-        if rebuild:
-            self.engine = self.dec.engine(self.config)
         self.snapshot = self._memory()
 
     def _memory(self) -> dict:
