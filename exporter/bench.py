@@ -44,10 +44,11 @@ def main(argv=None) -> int:
                     help="how many prompts (cycles the file or built-in set; default: the whole file, or 8 built-in)")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="token budget per prompt, every system")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each prompt per system")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked equal)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (default: 0, greedy: outputs checked equal)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     ap.add_argument("--threads", type=int, default=None, help="threads per system (default: all cores)")
     ap.add_argument("--tree", help="tree JSON file for ours-spec (default: the manifest's)")
     ap.add_argument("--precisions", default="fp32", help="comma list of fp32,opt,int8,int4 (ours: opt/int8/int4 "

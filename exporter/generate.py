@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                     help="when sampling: lossless rejection sampling, or Medusa's typical acceptance")
     ap.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto",
                     help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU)")
-    ap.add_argument("--device-id", type=int, default=0, help="which GPU, with the CUDA provider")
+    ap.add_argument("--device-id", type=int, default=0, help="which GPU, with the CUDA provider (default: 0)")
     ap.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
     ap.add_argument("--json", help="write the result and stats as JSON to this file (default: none)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")

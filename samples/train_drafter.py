@@ -27,6 +27,14 @@ if __package__ in (None, ""):  # run as a script: python samples/train_drafter.p
 from exporter.demo_model import MODES, Clock, DemoSpec, build_demo_model
 
 
+class _DefaultsUnlessUnset(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except None (the help says what "unset" means) and required options."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
 def train_for_base(base_dir, out_dir, mode: str, spec: DemoSpec, data: str = "distill", seed: int = 0,
                    log=print) -> Path:
     """Attach and train a ``mode`` drafter for an existing base model saved in ``base_dir``."""
@@ -63,7 +71,7 @@ def train_for_base(base_dir, out_dir, mode: str, spec: DemoSpec, data: str = "di
 def main(argv=None) -> Path:
     defaults = DemoSpec()
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=_DefaultsUnlessUnset
     )
     p.add_argument("--out", required=True, type=Path, help="output model_dir")
     p.add_argument("--mode", choices=sorted(MODES), default="medusa", help="the drafter to train")

@@ -206,16 +206,24 @@ def _service_recipe() -> list[str]:
 
 
 def test_the_readmes_service_recipe_installs_a_runtime_without_torch(tmp_path, exported):
-    """The README's three lines, as written (pip's installs pointed at a target directory instead of
-    this environment): the wheel builds from the checkout, installs without its exporter
-    dependencies, and decodes an export with torch and transformers unimportable."""
+    """The README's lines, as written (pip's installs pointed at a target directory instead of this
+    environment): the wheel builds from the checkout, installs without its exporter dependencies,
+    and decodes an export with torch and transformers unimportable; the server's packages resolve
+    without torch."""
     import shlex
     import shutil
 
-    build, deps, wheel = _service_recipe()
+    build, deps, wheel, serve = _service_recipe()
     assert build.startswith("pip wheel --no-deps -w dist")
     assert deps.startswith("pip install numpy tokenizers onnxruntime")
     assert wheel.startswith("pip install --no-deps dist/")
+    assert serve.startswith("pip install fastapi uvicorn")
+    # the server's packages resolve without torch or transformers (pip's dry run, this environment)
+    proc = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *shlex.split(serve)[1:],
+                           "--dry-run"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    would = " ".join(x for x in proc.stdout.splitlines() if x.startswith("Would install"))
+    assert "torch" not in would and "transformers" not in would, would
     src = tmp_path / "checkout"
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
                                                               "spec-demo", "runs", ".*_cache"))

@@ -200,9 +200,12 @@ def bench(out_dir, opts: BenchOptions | None = None, log=print) -> dict:
                 shutil.copyfile(f, logs / f.name)
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
-        if own_logs and report is not None and not report["failed"]:
-            shutil.rmtree(logs, ignore_errors=True)  # our own temporary: nothing failed, nothing to read
-    report["logs"] = str(logs) if (report["failed"] or not own_logs) else None
+        # our own temporary: removed when nothing failed or was skipped (every reason printed names a
+        # log in it, so it stays whenever there is a reason to read)
+        unread = report is not None and (report["failed"] or any(e.get("reason") for e in report["systems"]))
+        if own_logs and report is not None and not unread:
+            shutil.rmtree(logs, ignore_errors=True)
+    report["logs"] = str(logs) if (unread or not own_logs) else None
     for e in report["systems"]:
         if e.get("reason"):
             e["reason"] = e["reason"].replace(str(work), str(logs))

@@ -173,6 +173,11 @@ def plain_base(model_dir: Path, work: Path, log) -> tuple[Path | None, str]:
 
 def genai_model(plain: Path, precision: str, work: Path, log) -> tuple[Path | None, str]:
     """onnxruntime-genai's own build of the base (its model builder, offline, CPU)."""
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime_genai") is None:  # say what to install, not the builder's traceback
+        return None, (f"onnxruntime-genai is not installed for {sys.executable}: pip install -e '.[bench]' "
+                      f"(after the CPU torch of the set-up)")
     dst = work / f"genai-{precision}-{_key(plain, precision)}"
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(plain), "-o", "{out}",
            "-p", precision, "-e", "cpu", "-c", str(work / "genai-hf-cache")]

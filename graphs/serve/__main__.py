@@ -67,8 +67,9 @@ def main(argv=None) -> int:
     try:
         import uvicorn
     except ImportError:
-        print("error: the server needs its extra: pip install 'specexport[serve]' (fastapi, uvicorn, "
-              "prometheus-client, jinja2)", file=sys.stderr)
+        print("error: the server needs fastapi, uvicorn, prometheus-client and jinja2: pip install fastapi uvicorn "
+              "prometheus-client jinja2 (torch-free; in a dev checkout: pip install -e '.[cpu,serve]')",
+              file=sys.stderr)
         return 2
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from graphs.serve.app import create_app
