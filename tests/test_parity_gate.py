@@ -342,6 +342,17 @@ def test_min_rows_at_the_single_row_bound(tmp_path, monkeypatch, factor, min_row
     assert any("2/3/4/6/8/12/16 rows" in x for x in lines)  # the call sizes it measured, as logged
 
 
+def test_the_stage_records_the_worst_seed_of_both_bounds(tmp_path):
+    """A row effect small enough to pass: both recorded bounds are the worst of the eight seeds' (the
+    seeds' chains start with tokens of different scales, so best and worst differ)."""
+    eps = 2.0**-20
+    report, _ = _check(tmp_path, row_eps=eps)
+    want = [_expected_rows(eps, 0.0, seed) for seed in range(8)]
+    assert len({w[1] for w in want}) > 1  # the seeds differ: min and max over them tell apart
+    assert report["rows"]["single_max_abs"] == pytest.approx(max(w[0] for w in want), rel=1e-3)
+    assert report["rows"]["multi_max_abs"] == pytest.approx(max(w[1] for w in want), rel=1e-3)
+
+
 def test_the_synthetic_row_effect_is_refused_through_the_stage(tmp_path):
     """A real (linear in S) row effect: every call size disagrees, refused; at level 4 the message names
     --accuracy-level 0; a draft graph is never held to it (next test)."""
