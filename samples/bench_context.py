@@ -96,8 +96,9 @@ def count_nodes(path: Path) -> int | None:
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as d:
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
+        from graphs.sessions import default_session_options  # honours the process-wide pool
+
+        so = default_session_options(1)
         so.optimized_model_filepath = os.path.join(d, "m.onnx")
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "m.onnx.data")
         ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
@@ -116,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
+    from graphs.sessions import use_shared_thread_pool
+
+    use_shared_thread_pool(args.threads)  # as our CLIs and bench's workers run: one ORT pool for all sessions
     systems = {}
     for spec, cls, prefix in [(s, Ours, "ours-") for s in args.ours] + [(s, Genai, "genai-") for s in args.genai]:
         name, _, path = spec.partition("=")
