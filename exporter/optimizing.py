@@ -411,13 +411,7 @@ def time_gain(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, log) ->
         return {"skipped": "the rewritten base does not run on the CPU EP"}
     from graphs.sessions import InPlaceRun
 
-    def call(session, spec):
-        if C.kv_in_place(spec):  # bound to its buffers, as the runtime calls it
-            bound = InPlaceRun(session, spec)
-            return lambda f: bound.run(*InPlaceRun.split(f))
-        return lambda f: session.run(None, f)
-
-    calls = (call(raw, manifest.graphs["base"]), call(new, specs["base"]))
+    calls = (InPlaceRun.caller(raw, manifest.graphs["base"]), InPlaceRun.caller(new, specs["base"]))
     for t in (1, 8):
         feed = random_feed(manifest.graphs["base"], Case("t", 1, t, 64), vocab=manifest.source["vocab_size"])
         new_feed, _ = rewritten_feed(feed, specs["base"])

@@ -20,6 +20,25 @@ import numpy as np
 from graphs import contract as C
 
 
+def alloc_buffer(rows: int, kv_heads: int, cap: int, head_dim: int, dtype, layout: str = "bhsd") -> np.ndarray:
+    """One K or V buffer as a (rows, kv_heads, cap, head_dim) array. Layout ``bsh`` (the graphs that
+    write K/V in place, graphs.contract.kv_layout) stores it (rows, cap, kv_heads, head_dim) and returns
+    the transposed view, so every write of the caches is layout-blind. Zeros, not empty: masked
+    columns are still multiplied by softmax weights of 0."""
+    if layout == "bsh":
+        return np.zeros((rows, cap, kv_heads, head_dim), dtype=dtype).transpose(0, 2, 1, 3)
+    return np.zeros((rows, kv_heads, cap, head_dim), dtype=dtype)
+
+
+def graph_view(buf: np.ndarray, layout: str) -> np.ndarray:
+    """``buf`` (from :func:`alloc_buffer`) as the graph reads it, without a copy: itself, or its
+    (rows, cap, kv_heads * head_dim) storage."""
+    if layout == "bsh":
+        r, h, cap, d = buf.shape
+        return buf.transpose(0, 2, 1, 3).reshape(r, cap, h * d)
+    return buf
+
+
 class Columns:
     """Which cache columns hold a real token, per sequence, and where the next write goes.
 
@@ -71,19 +90,12 @@ class KVCache(Columns):
         super().__init__(num_layers, batch, kv_heads, head_dim, dtype, bucket)
         self.layout = layout  # "bsh": stored (B, capacity, kv*hd), keys/values are 4-D views (graphs.slots)
         self.generation = 0  # bumped whenever the buffers are reallocated
+        self.bindings: dict = {}  # graphs.sessions.InPlaceRun's IO bindings of these buffers
         self.keys = [self._alloc(0) for _ in range(num_layers)]
         self.values = [self._alloc(0) for _ in range(num_layers)]
 
     def _alloc(self, cap: int) -> np.ndarray:
-        # zeros, not empty: masked columns are still multiplied by softmax weights of 0
-        if self.layout == "bsh":
-            return np.zeros((self.batch, cap, self.kv_heads, self.head_dim), dtype=self.dtype).transpose(0, 2, 1, 3)
-        return np.zeros((self.batch, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
-
-    def _graph_view(self, buf: np.ndarray) -> np.ndarray:
-        if self.layout == "bsh":
-            return buf.transpose(0, 2, 1, 3).reshape(self.batch, buf.shape[2], self.kv_heads * self.head_dim)
-        return buf
+        return alloc_buffer(self.batch, self.kv_heads, cap, self.head_dim, self.dtype, self.layout)
 
     def reserve(self, extra: int) -> None:
         """Make room for ``extra`` more columns beyond the write pointer."""
@@ -102,8 +114,8 @@ class KVCache(Columns):
         """The past inputs of a graph: ``past_key_values.{i}.key/value`` -> whole buffers."""
         feed = {}
         for i in range(self.num_layers):
-            feed[C.past_key(i)] = self._graph_view(self.keys[i])
-            feed[C.past_value(i)] = self._graph_view(self.values[i])
+            feed[C.past_key(i)] = graph_view(self.keys[i], self.layout)
+            feed[C.past_value(i)] = graph_view(self.values[i], self.layout)
         return feed
 
     def write_columns(self, rows=None) -> np.ndarray:

@@ -236,11 +236,10 @@ class Decoder:
         cols = starts[:, None] + np.arange(s)[None, :]  # (B, S): where each row's new rows go
         mask[np.arange(bsz)[:, None], 0, :, cols] = tree_mask.transpose(0, 2, 1)  # [b, j, i] = tree[b, i, j]
         feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.KV_WRITE: starts}
-        cache = kv.__dict__.setdefault("_bindings", {})  # the K/V object's own (one engine, one thread)
         span = (None, None) if rows is None else (rows.start, rows.stop)
         key = (kv.generation, span, getattr(kv, "n", None))  # the same memory while these hold
-        feed_kv = None if key in cache else (kv.feed() if rows is None else kv.feed(rows))
-        return self._in_place.run(feed, feed_kv, cache, key)
+        feed_kv = None if key in kv.bindings else (kv.feed() if rows is None else kv.feed(rows))
+        return self._in_place.run(feed, feed_kv, kv.bindings, key)
 
     def presents(self, out: dict) -> list | None:
         """The base's ``present.*`` outputs of ``out`` in layer order (K0, V0, K1, V1, ...); None when

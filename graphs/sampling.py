@@ -23,14 +23,11 @@ def check_finite(value) -> None:
     overflowed logit is +inf. ``-inf`` elsewhere is a legitimately masked token.
     """
     if isinstance(value, (float, np.floating)):  # one logit: the common case, no array round trip
-        if value != value or value == float("inf"):
-            raise NonFiniteLogitsError(
-                "the base graph returned non-finite logits (nan or inf): float16 overflow or damaged weights; "
-                "re-export with --dtype float32 (or check the model in PyTorch)"
-            )
-        return
-    v = np.asarray(value)
-    if np.isnan(v).any() or np.isposinf(v).any():
+        bad = value != value or value == float("inf")
+    else:
+        v = np.asarray(value)
+        bad = bool(np.isnan(v).any() or np.isposinf(v).any())
+    if bad:
         raise NonFiniteLogitsError(
             "the base graph returned non-finite logits (nan or inf): float16 overflow or damaged weights; "
             "re-export with --dtype float32 (or check the model in PyTorch)"

@@ -149,27 +149,23 @@ class Session:
         return getattr(self._session, name)
 
     def run(self, output_names, input_feed, run_options=None):
-        try:
-            return self._session.run(output_names, input_feed, run_options or _quiet_run_options())
-        except MemoryError as e:
-            raise GraphMemoryError(self._memory_message(f"MemoryError {e}".strip())) from None
-        except Exception as e:  # ONNX Runtime's pybind errors (Fail, RuntimeException) share no base class
-            if not _ALLOC_FAILED.search(str(e)):
-                raise
-            raise GraphMemoryError(self._memory_message(str(e))) from None
+        return self._translated(self._session.run, output_names, input_feed, run_options or _quiet_run_options())
 
     def run_with_iobinding(self, iobinding, run_options=None):
         """As ``run`` (allocation failures as one line), for bound calls (:class:`InPlaceRun`)."""
         # ORT's Python wrapper reads run-option entries on every call (0.1-0.2 ms a step on the 19M
         # int4 model); the pybind session runs the same binding directly where it is there
         sess, inner = getattr(self._session, "_sess", None), getattr(iobinding, "_iobinding", None)
+        if sess is not None and inner is not None:
+            return self._translated(sess.run_with_iobinding, inner, run_options or _quiet_run_options())
+        return self._translated(self._session.run_with_iobinding, iobinding, run_options or _quiet_run_options())
+
+    def _translated(self, call, *args):
         try:
-            if sess is not None and inner is not None:
-                return sess.run_with_iobinding(inner, run_options or _quiet_run_options())
-            return self._session.run_with_iobinding(iobinding, run_options or _quiet_run_options())
+            return call(*args)
         except MemoryError as e:
             raise GraphMemoryError(self._memory_message(f"MemoryError {e}".strip())) from None
-        except Exception as e:
+        except Exception as e:  # ONNX Runtime's pybind errors (Fail, RuntimeException) share no base class
             if not _ALLOC_FAILED.search(str(e)):
                 raise
             raise GraphMemoryError(self._memory_message(str(e))) from None
@@ -318,6 +314,17 @@ class InPlaceRun:
         """A whole feed as (the small inputs, the K/V buffers) for :meth:`run`."""
         buffers = {k: v for k, v in feed.items() if k.startswith("past_key_values.")}
         return {k: v for k, v in feed.items() if k not in buffers}, buffers
+
+    @staticmethod
+    def caller(session, spec):
+        """``feed -> outputs`` for a whole feed of ``spec``'s graph, called as the runtime calls it: its
+        buffers bound where it writes K/V in place, a plain run otherwise (timings, parity tools)."""
+        from graphs import contract as C
+
+        if C.kv_in_place(spec):
+            bound = InPlaceRun(session, spec)
+            return lambda feed: bound.run(*InPlaceRun.split(feed))
+        return lambda feed: session.run(spec.output_names, feed)
 
     def run(self, feed: dict, buffers: dict, cache: dict | None = None, cache_key=None) -> dict:
         """``feed``: the small inputs (arrays), ``buffers``: ``past_key_values.*`` -> contiguous buffers.

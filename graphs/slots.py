@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphs import contract as C
+from graphs.kv import alloc_buffer, graph_view
 
 
 class SlotCache:
@@ -45,22 +46,14 @@ class SlotCache:
         self.lens = np.zeros(slots, dtype=np.int64)  # (slots,) committed columns per row
         self.temp = 0  # temporary columns written at [top, top + temp) this step
         self.generation = 0  # bumped whenever the buffers are reallocated (bindings kept until then)
+        self.bindings: dict = {}  # graphs.sessions.InPlaceRun's IO bindings of these buffers (one engine, one thread)
         self.keys = [self._alloc(0) for _ in range(num_layers)]
         self.values = [self._alloc(0) for _ in range(num_layers)]
 
     # ---------------------------------------------------------------- memory
 
     def _alloc(self, cap: int) -> np.ndarray:
-        # zeros, not empty: masked columns are still multiplied by softmax weights of 0
-        if self.layout == "bsh":
-            return np.zeros((self.slots, cap, self.kv_heads, self.head_dim), dtype=self.dtype).transpose(0, 2, 1, 3)
-        return np.zeros((self.slots, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
-
-    def _graph_view(self, buf: np.ndarray) -> np.ndarray:
-        """The buffer as the graph reads it (no copy): itself, or the (slots, capacity, kv*hd) storage."""
-        if self.layout == "bsh":
-            return buf.transpose(0, 2, 1, 3).reshape(self.slots, buf.shape[2], self.kv_heads * self.head_dim)
-        return buf
+        return alloc_buffer(self.slots, self.kv_heads, cap, self.head_dim, self.dtype, self.layout)
 
     @property
     def bytes_per_column(self) -> int:
@@ -137,8 +130,8 @@ class SlotCache:
         rows = rows or slice(0, self.n)
         feed = {}
         for i in range(self.num_layers):
-            feed[C.past_key(i)] = self._graph_view(self.keys[i])[rows]
-            feed[C.past_value(i)] = self._graph_view(self.values[i])[rows]
+            feed[C.past_key(i)] = graph_view(self.keys[i], self.layout)[rows]
+            feed[C.past_value(i)] = graph_view(self.values[i], self.layout)[rows]
         return feed
 
     # ---------------------------------------------------------------- writes

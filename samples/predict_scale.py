@@ -91,8 +91,8 @@ def measure(out_dir: Path, trees: list[int], past: int, prompt: int, draft_rows:
         from exporter.passes.parity import Case, random_feed
         from graphs.sessions import InPlaceRun
 
-        bound = InPlaceRun(base, spec)
-        base = SimpleNamespace(run=lambda _names, feed: bound.run(*InPlaceRun.split(feed)))
+        call = InPlaceRun.caller(base, spec)
+        base = SimpleNamespace(run=lambda _names, feed: call(feed))
 
         def base_feed(s, p):
             return random_feed(spec, Case("t", 1, s, p), vocab=m.source["vocab_size"])

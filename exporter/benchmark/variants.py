@@ -56,7 +56,6 @@ def verify_latency(dirs: dict[str, Path], tree_tokens=TREE_TOKENS, past: int = 2
                    runs: int = 10, threads: int | None = None) -> dict:
     """{variant: {tokens: median ms}} of the base graph, variants interleaved."""
     from exporter.passes.parity import Case, random_feed
-    from graphs import contract as C
     from graphs.manifest import Manifest
     from graphs.sessions import InPlaceRun, make_session
 
@@ -64,12 +63,7 @@ def verify_latency(dirs: dict[str, Path], tree_tokens=TREE_TOKENS, past: int = 2
     for name, d in dirs.items():
         m = Manifest.read(d, verify=False)
         spec = m.graphs["base"]
-        session = make_session(d / spec.file, "cpu", threads)
-        if C.kv_in_place(spec):  # bound to its buffers, as the runtime calls it (no copy back)
-            bound = InPlaceRun(session, spec)
-            calls[name] = lambda f, bound=bound: bound.run(*InPlaceRun.split(f))
-        else:
-            calls[name] = lambda f, session=session, outs=spec.output_names: session.run(outs, f)
+        calls[name] = InPlaceRun.caller(make_session(d / spec.file, "cpu", threads), spec)  # as the runtime calls it
         feeds[name] = {t: random_feed(spec, Case("t", 1, t, past), seed=t, vocab=m.source["vocab_size"])
                        for t in tree_tokens}
     times: dict[str, dict[int, list[float]]] = {n: {t: [] for t in tree_tokens} for n in dirs}
