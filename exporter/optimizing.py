@@ -163,17 +163,18 @@ def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=p
         fused.update(norms)
         if norms:
             ops = step("norms", ", ".join(f"{v} {k}" for k, v in norms.items()), t0, ops)
-    if role == "base" and opts.writes_kv_in_place:
+    layers = sum(1 for t in proto.graph.input if t.name.startswith("past_key_values.")) // 2
+    if layers and opts.writes_kv_in_place:  # the base, and the EAGLE drafter's graphs (their own K/V)
         from exporter.passes.kv_inplace import write_in_place
 
         t0 = time.perf_counter()
-        layers = sum(1 for t in proto.graph.input if t.name.startswith("past_key_values.")) // 2
         src_dims = source or {}
         try:
             proto, layout = write_in_place(proto, layers, src_dims.get("num_attention_heads", 0),
                                            src_dims.get("num_kv_heads", 0), src_dims.get("head_dim", 0),
                                            base_dir=src.parent,
-                                           max_positions=src_dims.get("max_position_embeddings"))
+                                           max_positions=src_dims.get("max_position_embeddings"),
+                                           compact=role == "base")
         except ValueError as e:
             raise UserError(f"{role} graph {src.name}: cannot write K/V in place ({e}); the export is untouched: "
                             f"optimize with --no-kv-in-place") from None

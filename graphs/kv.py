@@ -169,6 +169,24 @@ class KVCache(Columns):
 # ---------------------------------------------------------------- graphs that write K/V in place
 
 
+def inplace_mask(past: np.ndarray, starts: np.ndarray, tree: np.ndarray) -> np.ndarray:
+    """(B, 1, S, P) bool: the attention mask of a graph that writes row b's S new K/V rows into the
+    buffer at columns ``starts[b] ..`` (graphs.contract.kv_in_place): the past columns each new row
+    may see, ``past`` (B, P) (the same for the S) or (B, S, P), with ``tree`` (B, S, S) placed at
+    the new rows' own columns. What :func:`graphs.slots.attention_mask` is for the concat contract."""
+    bsz, s, _ = tree.shape
+    if s == 1 and past.ndim == 2:  # a plain step: the past and the token itself, no scatter
+        mask = past.copy()
+        mask[np.arange(bsz), starts] = tree[:, 0, 0]
+        return mask[:, None, None, :]
+    mask = np.zeros((bsz, 1, s, past.shape[-1]), dtype=bool)
+    mask[:, 0] = past[:, None, :] if past.ndim == 2 else past
+    cols = starts[:, None] + np.arange(s)[None, :]  # (B, S): where each row's new rows go
+    mask[np.arange(bsz)[:, None], 0, :, cols] = tree.transpose(0, 2, 1)  # [b, j, i] = tree[b, i, j]
+    return mask
+
+
+
 def as_inplace_feed(feed: dict, spec: C.GraphSpec):
     """A feed of the concat contract (pasts (B, kv, P, hd), mask over P+S) for a graph that writes its
     K/V in place (:func:`graphs.contract.kv_in_place`): each past padded to P+S columns (zeros) in the

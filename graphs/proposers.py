@@ -28,6 +28,8 @@ import numpy as np
 from graphs import contract as C
 from graphs.adaptive import cut_tree, root_only, static_scores, sub_tree
 from graphs.eagle_draft import tree_from_outputs
+from graphs.kv import inplace_mask
+from graphs.sessions import InPlaceRun
 from graphs.slots import SlotCache, attention_mask
 from graphs.trees import DynamicTreeBuilder, medusa_candidates_batch
 
@@ -170,6 +172,39 @@ class _Eagle(Plain):
         self.spec = runtime.draft_spec
         self.dtype = runtime.dtype
         self.pad = runtime.pad
+        # graphs that write the drafter's K/V into its cache in place (optimized for the CPU): bound
+        # per graph, each with its own IO bindings of the cache's buffers
+        self._in_place = {role: InPlaceRun(session, spec) for role, session, spec in self._drafter_graphs()
+                          if C.kv_in_place(spec)}
+
+    def _drafter_graphs(self):
+        yield "draft", self.rt.draft, self.spec
+        for role, session in getattr(self.rt, "tree_sessions", {}).items():
+            yield role, session, self.rt.manifest.graphs[role]
+
+    def _mask(self, role: str, past: np.ndarray, new: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """The attention mask of a ``role`` call whose S new rows of row b go to cache columns
+        ``starts[b] ..``: over the buffer's columns where the graph writes in place, else the past
+        columns followed by the S new ones (the traced contract)."""
+        if role in self._in_place:
+            return inplace_mask(past, starts, new)
+        return attention_mask(past, new)
+
+    def _call(self, role: str, session, spec, names: list[str], feed: dict, starts: np.ndarray,
+              rows: slice | None = None) -> dict:
+        """One drafter graph call against the cache's ``rows`` (default: every occupied row): ``names``
+        (no ``present.*``) by name. In place, the S new rows of row b are written at ``starts[b]``;
+        else the graph's ``present.*`` come back too (the rows for the caller to commit)."""
+        run = self._in_place.get(role)
+        kv = self.kv
+        if run is None:
+            names = names + [t.name for t in spec.outputs if t.name.startswith("present.")]
+            return dict(zip(names, session.run(names, feed | kv.feed(rows))))
+        span = (None, None) if rows is None else (rows.start, rows.stop)
+        key = (kv.generation, span, kv.n)  # the same memory while these hold
+        cache = kv.bindings.setdefault(role, {})
+        buffers = None if key in cache else kv.feed(rows)
+        return run.run(feed | {C.KV_WRITE: np.asarray(starts, dtype=np.int64)}, buffers, cache, key)
 
     def memory(self) -> dict:
         return {"drafter_kv_budget_bytes": self.kv.budget_bytes, "drafter_kv_allocated_bytes": self.kv.allocated_bytes}
@@ -189,10 +224,12 @@ class _Eagle(Plain):
     def shrink(self) -> None:
         self.kv.shrink()
 
-    def run_draft(self, feats, ids, pos, mask, topk: int, rows: slice | None = None, is_aux: bool = False):
+    def run_draft(self, feats, ids, pos, mask, topk: int, rows: slice | None = None, is_aux: bool = False,
+                  starts: np.ndarray | None = None):
         """One drafter forward over ``rows`` of the drafter cache (default: every occupied row).
 
-        ``feats`` are the base's features (``is_aux``: EAGLE-3 layers) or the drafter's own hidden."""
+        ``feats`` are the base's features (``is_aux``: EAGLE-3 layers) or the drafter's own hidden;
+        ``mask`` from :meth:`_mask` with the same ``starts`` (where the new rows go)."""
         bsz = ids.shape[0]
         feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask,
                 C.TOPK_IN: np.array([topk], dtype=np.int64)}
@@ -203,9 +240,8 @@ class _Eagle(Plain):
             feed[C.HIDDEN] = np.empty((bsz, 0, hid_dim), self.dtype) if is_aux else feats
         else:
             feed[C.HIDDEN] = feats
-        names = [C.HIDDEN_OUT, C.TOPK_IDS, C.TOPK_LOGPROBS] + [t.name for t in self.spec.outputs
-                                                               if t.name.startswith("present.")]
-        return dict(zip(names, self.rt.draft.run(names, feed | self.kv.feed(rows))))
+        return self._call("draft", self.rt.draft, self.spec, [C.HIDDEN_OUT, C.TOPK_IDS, C.TOPK_LOGPROBS], feed,
+                          starts, rows)
 
     def prefilled(self, req, b, out, start, end, root) -> float:
         """Feed the drafter (feature of position t, token t+1) for every prompt position whose next
@@ -220,17 +256,19 @@ class _Eagle(Plain):
             pos = np.arange(start, stop, dtype=np.int64)[None]
             causal = np.tril(np.ones((1, k, k), dtype=bool))
             rows = slice(b, b + 1)
-            mask = attention_mask(self.kv.past_mask(rows), causal)
+            starts = self._starts(k, rows)
+            mask = self._mask("draft", self.kv.past_mask(rows), causal, starts)
             t0 = time.perf_counter()
-            dout = self.run_draft(feats[None, :k], ids, pos, mask, 1, rows=rows, is_aux=True)
+            dout = self.run_draft(feats[None, :k], ids, pos, mask, 1, rows=rows, is_aux=True, starts=starts)
             t = time.perf_counter() - t0
-            self.kv.commit(presents(dout, self.layers), np.arange(k)[None], np.array([k]), first=b)
+            self.kv.commit(self._presents(dout), np.arange(k)[None], np.array([k]), first=b)
         if end == len(req.prompt):
             req.draft.set(feats[last - start : last - start + 1].copy(), np.array([root], dtype=np.int64), last)
         return t
 
-    def _context(self, rows, drafting: list[int]):
-        """The pending rows of ``drafting`` rows (others: one padding row) as one call's inputs."""
+    def _context(self, rows, drafting: list[int], role: str = "draft"):
+        """The pending rows of ``drafting`` rows (others: one padding row) as one call's inputs for the
+        ``role`` graph (its mask, and ``starts``: where the rows go in the cache)."""
         n = len(rows)
         counts = np.zeros(n, dtype=np.int64)
         for b in drafting:
@@ -245,8 +283,19 @@ class _Eagle(Plain):
             pos[b] = p.pos + np.arange(a)
         causal = np.tril(np.ones((a, a), dtype=bool))[None] & (np.arange(a)[None, None] < counts[:, None, None])
         causal |= np.eye(a, dtype=bool)[None]  # padding rows see themselves: no empty softmax
-        mask = attention_mask(self.kv.past_mask(), causal)
-        return feats, ids, pos, mask, counts
+        starts = self._starts(a)
+        mask = self._mask(role, self.kv.past_mask(), causal, starts)
+        return feats, ids, pos, mask, counts, starts
+
+    def _starts(self, s: int, rows: slice | None = None) -> np.ndarray:
+        """(B,) the cache column of each row's next new rows (its length), room made for ``s`` of them."""
+        starts = self.kv.write_columns(rows)
+        self.kv.reserve(int(starts.max(initial=0)) + s + self.kv.temp)
+        return starts
+
+    def _presents(self, out: dict):
+        """The ``present.*`` of a drafter call in layer order; None where the graph wrote them in place."""
+        return presents(out, self.layers) if any(n.startswith("present.") for n in out) else None
 
     def advance(self, rows, out, accepted, bonus, cand, sizes) -> None:
         """The accepted rows become the drafter's next context (after a drafted step) or join the rows
@@ -290,11 +339,11 @@ class Eagle(_Eagle):
         t_draft = 0.0
         topk = max(rows[b].tree["topk"] for b in drafting)
         # 1) context: the pending rows into the drafter cache
-        feats, ids, pos, mask, counts = self._context(rows, drafting)
+        feats, ids, pos, mask, counts, starts = self._context(rows, drafting)
         t0 = time.perf_counter()
-        dout = self.run_draft(feats, ids, pos, mask, topk, is_aux=True)
+        dout = self.run_draft(feats, ids, pos, mask, topk, is_aux=True, starts=starts)
         t_draft += time.perf_counter() - t0
-        self.kv.commit(presents(dout, self.layers), np.broadcast_to(np.arange(ids.shape[1]), ids.shape), counts)
+        self.kv.commit(self._presents(dout), np.broadcast_to(np.arange(ids.shape[1]), ids.shape), counts)
         # 2) grow one EAGLE-2 tree per drafting row from its root's drafter output
         builders, frontiers, prev, fed = {}, {}, {}, {}
         for b in drafting:
@@ -314,27 +363,27 @@ class Eagle(_Eagle):
             hid = np.zeros((n, k, hid_dim), self.dtype)
             tok = np.full((n, k), self.pad, dtype=np.int64)
             fpos = np.zeros((n, k), dtype=np.int64)
-            # (n, 1, k, cap' + k): context, fed tree rows, this level; the cache may grow by this level
+            # what each of the k new rows sees: context and fed tree rows (cache columns), then this
+            # level (written at columns start.. of every row); the cache may grow by this level
             self.kv.reserve(start + k)
             cap = self.kv.capacity
-            m = np.zeros((n, 1, k, cap + k), dtype=bool)
-            m[:, 0, :, cap:] = np.eye(k, dtype=bool)  # padding rows see themselves
-            past = self.kv.past_mask()
+            seen = np.broadcast_to(self.kv.past_mask()[:, None, :], (n, k, cap)).copy()  # (n, k, cap)
+            level = np.broadcast_to(np.eye(k, dtype=bool), (n, k, k)).copy()  # padding rows see themselves
             for b in live:
                 f = frontiers[b]
                 kb, nf = f.size, fed[b].size
                 hid[b, :kb] = prev[b][f.parent_row]
                 tok[b, :kb] = f.tokens
                 fpos[b, :kb] = rows[b].position + f.depth - 1  # the parent's position
-                m[b, 0, :kb, :cap] = past[b][None]
-                row = m[b, 0]  # (k, cap + k) a view: one advanced index below keeps (kb, nf)
-                row[:kb, fed[b]] = f.attend[:, :nf]
-                row[:kb, cap : cap + kb] = f.attend[:, nf:]
+                seen[b, :kb][:, fed[b]] = f.attend[:, :nf]
+                level[b, :kb, :kb] = f.attend[:, nf:]
+            starts = np.full(n, start, dtype=np.int64)
+            m = self._mask("draft", seen, level, starts)
             t0 = time.perf_counter()
-            dout = self.run_draft(hid, tok, fpos, m, topk)
+            dout = self.run_draft(hid, tok, fpos, m, topk, starts=starts)
             t_draft += time.perf_counter() - t0
             calls += 1
-            col = self.kv.write_temp(presents(dout, self.layers))
+            col = self.kv.write_temp(self._presents(dout), k)
             for b in live:
                 kb = frontiers[b].size
                 fed[b] = np.concatenate([fed[b], col + np.arange(kb)])
@@ -357,15 +406,14 @@ class Eagle(_Eagle):
         for role in roles:  # one call per baked tree in use (usually one)
             group = [b for b in drafting if rows[b].tree_role == role]
             spec, session = self.rt.manifest.graphs[role], self.rt.tree_sessions[role]
-            feats, ids, pos, mask, counts = self._context(rows, group)
+            feats, ids, pos, mask, counts, starts = self._context(rows, group, role)
             feed = {self.feat: feats, C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask,
                     C.ROOT_INDEX: np.maximum(counts - 1, 0)}
-            names = TREE_OUTPUTS + [t.name for t in spec.outputs if t.name.startswith("present.")]
             t0 = time.perf_counter()
-            o = dict(zip(names, session.run(names, feed | self.kv.feed())))
+            o = self._call(role, session, spec, list(TREE_OUTPUTS), feed, starts)
             t_draft += time.perf_counter() - t0
             calls += 1
-            self.kv.commit(presents(o, self.layers), np.broadcast_to(np.arange(ids.shape[1]), ids.shape), counts)
+            self.kv.commit(self._presents(o), np.broadcast_to(np.arange(ids.shape[1]), ids.shape), counts)
             for b in group:
                 tree = tree_from_outputs(o[C.TREE_PARENTS][b], o[C.TREE_DEPTH][b], o[C.TREE_MASK][b],
                                          o[C.TREE_SCORES][b])

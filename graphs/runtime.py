@@ -46,6 +46,7 @@ from graphs.params import GenerationParams, Resolved, check_prompt
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
 from graphs.schema import check_session, load_graph
 from graphs.sessions import InPlaceRun, make_session, resolve_provider, warn_if_other_target, warn_if_tree_stale
+from graphs.kv import inplace_mask
 from graphs.slots import attention_mask
 from graphs.trees import DEFAULT_EAGLE_TREE, Tree, default_medusa_paths, load_tree_file, medusa_tree
 
@@ -231,11 +232,8 @@ class Decoder:
         starts = kv.write_columns(rows)
         kv.reserve_columns(int(starts.max(initial=0)) + s)
         past = kv.past_mask() if rows is None else kv.past_mask(rows)  # (B, capacity), after the growth
-        mask = np.zeros((bsz, 1, s, past.shape[1]), dtype=bool)
-        mask[:, 0] = past[:, None, :]
-        cols = starts[:, None] + np.arange(s)[None, :]  # (B, S): where each row's new rows go
-        mask[np.arange(bsz)[:, None], 0, :, cols] = tree_mask.transpose(0, 2, 1)  # [b, j, i] = tree[b, i, j]
-        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.KV_WRITE: starts}
+        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: inplace_mask(past, starts, tree_mask),
+                C.KV_WRITE: starts}
         span = (None, None) if rows is None else (rows.start, rows.stop)
         key = (kv.generation, span, getattr(kv, "n", None))  # the same memory while these hold
         feed_kv = None if key in kv.bindings else (kv.feed() if rows is None else kv.feed(rows))

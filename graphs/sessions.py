@@ -296,6 +296,19 @@ def warn_if_tree_stale(tree: dict, optimization: dict, source_dtype: str = "floa
     return True
 
 
+_CPU_DEVICE = []
+
+
+def _cpu_device():
+    """ORT's C-level CPU device for direct IO-binding calls; None where this onnxruntime lacks it."""
+    if not _CPU_DEVICE:
+        try:
+            _CPU_DEVICE.append(ort.OrtDevice.make("cpu", 0)._get_c_device())
+        except Exception:
+            _CPU_DEVICE.append(None)
+    return _CPU_DEVICE[0]
+
+
 class InPlaceRun:
     """Calls of a graph that writes its K/V into the caller's buffers (``graphs.contract.kv_in_place``).
 
@@ -340,7 +353,7 @@ class InPlaceRun:
             if buffers is None:
                 raise ValueError("InPlaceRun.run: no binding cached for this key and no buffers given")
             io = self.session.io_binding()
-            for name in self.outputs:  # first: io.get_outputs() lists outputs in the order first bound
+            for name in self.outputs:  # first: the outputs are listed in the order first bound
                 io.bind_output(name, "cpu")
             for name, buf in buffers.items():
                 if not buf.flags.c_contiguous:
@@ -351,10 +364,25 @@ class InPlaceRun:
             if cache is not None:
                 cache.clear()  # the buffers moved: the old binding points at freed memory
                 cache[key] = io
-        for name, x in feed.items():  # rebound every call: the arrays are new
-            io.bind_cpu_input(name, np.ascontiguousarray(x))
-        for name in self.outputs:  # unallocated again: their shapes change from call to call
-            io.bind_output(name, "cpu")
+        # The small inputs and the outputs are rebound on every call (new arrays, new shapes). ORT's
+        # Python IOBinding wraps each bind and every output (the 2L bound K/V buffers included) in
+        # Python objects: ~0.15 ms a step on a 6-layer model, a tenth of an int4 step. The pybind
+        # binding underneath takes the same calls directly where this onnxruntime has it.
+        inner = getattr(io, "_iobinding", None)
+        device = _cpu_device() if inner is not None else None
+        if device is None:
+            for name, x in feed.items():
+                io.bind_cpu_input(name, np.ascontiguousarray(x))
+            for name in self.outputs:
+                io.bind_output(name, "cpu")
+            self.session.run_with_iobinding(io)
+            got = io.get_outputs()
+            return {name: got[i].numpy() for i, name in enumerate(self.outputs)}
+        held = [np.ascontiguousarray(x) for x in feed.values()]  # alive until the run has read them
+        for name, x in zip(feed, held):
+            inner.bind_input(name, x)
+        for name in self.outputs:
+            inner.bind_output(name, device)
         self.session.run_with_iobinding(io)
-        got = io.get_outputs()
+        got = inner.get_outputs()
         return {name: got[i].numpy() for i, name in enumerate(self.outputs)}

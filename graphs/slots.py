@@ -190,6 +190,9 @@ class SlotCache:
         """Rows written in place at ``lens`` (node j at column lens + j): node ``idx[b, j]`` moves to
         column ``lens[b] + j`` for j < counts[b]. Nodes already in place (a prefill, a plain step, a
         chain's accepted prefix) move nothing; the others are a few small copies per buffer."""
+        if idx.shape[1] == 1:  # one new row each (a plain step): already in place
+            self.lens[rows] += counts
+            return
         keep = (np.arange(idx.shape[1])[None, :] < counts[:, None]) & (idx != np.arange(idx.shape[1])[None, :])
         b_loc, j = np.nonzero(keep)
         if b_loc.size:
@@ -204,12 +207,17 @@ class SlotCache:
         """First column past every occupied row (where temporary rows go)."""
         return int(self.lens[: self.n].max(initial=0))
 
-    def write_temp(self, presents: list[np.ndarray]) -> int:
-        """Write all S new rows of every occupied row at ``top() + temp`` (temporary draft-tree rows).
+    def write_temp(self, presents: list[np.ndarray] | None, width: int | None = None) -> int:
+        """Write all S new rows of every occupied row at ``top() + temp`` (temporary draft-tree rows);
+        ``presents`` None: a graph wrote its ``width`` new rows there in place already.
 
         Returns the first column written; :meth:`drop_temp` forgets them all."""
-        s = presents[0].shape[2]
         start = self.top() + self.temp
+        if presents is None:
+            self.reserve(start + width)
+            self.temp += width
+            return start
+        s = presents[0].shape[2]
         self.reserve(start + s)
         n = self.n
         for i in range(self.num_layers):

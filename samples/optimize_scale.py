@@ -1,6 +1,6 @@
 """Raw vs fused vs int4 (and int8) verify latency on a TinyLlama-1.1B-shaped base (random weights).
 
-    python samples/optimize_scale.py [--layers N] [--variants raw,fused,int4] [--json F] [--png F]
+    python samples/optimize_scale.py [--layers N] [--variants raw,fused,int4] [--tree-tokens 1,8,16,32] [--json F] [--png F]
                                      [--shape tinyllama|medium] [--work DIR] [--keep]
 
 Builds the base with TinyLlama-1.1B's configuration (samples/scale_export.py; nothing downloaded),
@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--medusa", action="store_true", help="add an (untrained) 2-head Medusa drafter and measure "
                     "end-to-end tokens/s too; its acceptance is not a trained drafter's")
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--tree-tokens", default="1,8,16,32",
+                    help="tree sizes (tokens per verify call) whose base-graph latency is measured")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
@@ -89,7 +91,9 @@ def main(argv=None) -> int:
             model.save_pretrained(work / "model")
             del model
             export(work / "model", work / "onnx", validate=False, overwrite=True)
+        tree_tokens = tuple(int(t) for t in args.tree_tokens.split(","))
         report = variants.run_variants(work / "onnx", args.variants.split(","), e2e=args.medusa, threads=args.threads,
+                                       tree_tokens=tree_tokens,
                                        repeats=1, prompts=3, max_new_tokens=args.max_new_tokens)
         report.update(shape=args.shape, layers=n_layers, parameters=params, seconds_total=time.perf_counter() - t0)
         if args.json:

@@ -255,3 +255,61 @@ def test_the_optimized_base_is_about_the_size_of_genais(pair, tmp_path):
     genai = 11 * layers + 3
     assert counts["in_place"] <= 1.5 * genai, counts
     assert counts["concat"] > 2 * counts["in_place"]  # the shape plumbing the compact form removed
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(exported, tmp_path_factory):
+    """(in-place export, concat export) of the tiny EAGLE-1 model: the drafter's graphs (step-wise and
+    the one-call tree) write their own K/V in place too, otherwise the same passes."""
+    outs = []
+    for in_place in (True, False):
+        out = tmp_path_factory.mktemp(f"kv-eagle-{in_place}") / "out"
+        shutil.copytree(exported("eagle"), out)
+        optimize_export(out, kv_in_place=in_place, **QUIET)
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("draft", ["stepwise", "one_call"])
+def test_the_drafter_writes_its_k_v_in_place_and_drafts_the_same_trees(eagle_pair, draft):
+    """Every drafter graph with K/V (draft.onnx, draft_tree.*) takes its cache as buffers it writes
+    in place; the engine, with requests arriving at different steps (rows of different lengths,
+    rows moved when one leaves), proposes exactly the trees the concatenating drafter proposes, and
+    the output is the base's greedy output."""
+    import graphs
+
+    m = Manifest.read(eagle_pair[0])
+    drafters = [r for r in m.graphs if r != "base" and any(t.name.startswith("past_key_values.")
+                                                           for t in m.graphs[r].inputs)]
+    assert "draft" in drafters and any(r.startswith("draft_tree") for r in drafters)
+    for role in drafters:
+        spec = m.graphs[role]
+        assert C.kv_in_place(spec) and C.kv_layout(spec) == "bhsd", role
+        ops = [n.op_type for n in onnx.load(str(eagle_pair[0] / spec.file), load_external_data=False).graph.node]
+        assert ops.count("TensorScatter") == 2 * m.drafter["num_layers"], role
+        assert "kv" in m.optimization[role]["passes"] or m.optimization[role]["fused"].get("kv_layout") == "bhsd"
+    assert not C.kv_in_place(Manifest.read(eagle_pair[1]).graphs["draft"])
+    prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 2, 9], [11], [3, 3, 8, 1, 2]]
+    runs = []
+    for out in eagle_pair:
+        dec = graphs.load(out, provider="cpu", threads=1, eagle_draft=draft, adaptive=False)
+        from graphs.engine import EngineConfig
+
+        engine = dec.engine(EngineConfig(max_batch=3))
+        with dec.watch_verify() as records:
+            got: dict[int, list[int]] = {}
+            for step in range(200):
+                if step < len(prompts):  # one arrival per step; the 4th waits for a free row
+                    got[engine.add_request(prompts[step], max_new_tokens=14 + 3 * step)] = []
+                for ev in engine.step():
+                    got[ev.request_id] += ev.token_ids
+                if not engine.has_pending_requests():
+                    break
+        tokens = list(got.values())
+        trees = [(r.request_id, r.tokens.tolist(), r.accepted) for r in records]
+        runs.append((tokens, trees))
+        ar = dec.generate(prompts, max_new_tokens=14, mode="autoregressive")
+        assert [t[:14] for t in tokens] == [r.token_ids for r in ar]
+    assert runs[0] == runs[1]
+    drafted = [t for _, t, _ in runs[0][1] if len(t) > 1]
+    assert len(drafted) > 20 and len({tuple(t) for t in drafted}) > 10  # the drafter ran, on varied contexts

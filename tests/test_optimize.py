@@ -78,7 +78,8 @@ def test_fusions_replace_attention_and_norms(exported, optimized, kind):
     assert rec["quantization"] is None and rec["fused"]["Attention"] == layers and rec["opset"] == 24  # TensorScatter
     if kind == "eagle3":  # the drafter's own decoder layer is fused too
         assert _ops(out / "draft.onnx").get("Attention") == m.drafter["num_layers"]
-        assert m.optimization["draft"]["passes"] == ["attention", "rotary", "norms"]
+        assert m.optimization["draft"]["passes"] == ["attention", "rotary", "norms", "kv"]  # its K/V in place too
+        assert C.kv_in_place(m.graphs["draft"]) and C.kv_layout(m.graphs["draft"]) == "bhsd"
 
 
 @pytest.mark.parametrize("combo", [

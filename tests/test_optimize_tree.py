@@ -97,8 +97,9 @@ def test_tree_graphs_get_the_draft_graphs_fusions(exported, optimized, kind):
     assert rec["fused"]["Attention"] == CALLS * m.drafter["num_layers"] and rec["quantization"] is None
     assert m.validation["optimize"]["graphs"][ROLE]["ok"]
     # independent of the stage's own gate: the same tree, scores and drafter K/V within 1e-4
-    spec = m.graphs[ROLE]
-    rows = tree_parity(raw / spec.file, out / spec.file, spec, spec, 1e-4, 1e-4, vocab=m.source["vocab_size"])
+    spec, raw_spec = m.graphs[ROLE], Manifest.read(raw).graphs[ROLE]
+    assert C.kv_in_place(spec) and C.kv_layout(spec) == "bhsd"  # the drafter's K/V written in place too
+    rows = tree_parity(raw / spec.file, out / spec.file, raw_spec, spec, 1e-4, 1e-4, vocab=m.source["vocab_size"])
     assert {r.case for r in rows} == {c.name for c in TREE_CASES}
     assert all(r.ok for r in rows), [r for r in rows if not r.ok]
     assert all(r.top1 == 1.0 for r in rows if r.output == C.TREE_TOKENS)
@@ -132,8 +133,8 @@ def test_quantized_tree_graph_one_call_equals_autoregressive(exported, optimized
     assert ops.get("MatMulNBits") == rec["quantization"]["matmuls"] == CALLS * per_call - fc_once
     assert all(n.input[1] not in inits for n in proto.graph.node if n.op_type == "MatMul")  # lm_head included
     # the gate can fail: held to the float32 tree strictly, the quantized drafter's scores differ
-    spec = m.graphs[ROLE]
-    rows = tree_parity(exported(kind) / spec.file, out / spec.file, spec, spec, 1e-4, 1e-4,
+    spec, raw_spec = m.graphs[ROLE], Manifest.read(exported(kind)).graphs[ROLE]
+    rows = tree_parity(exported(kind) / spec.file, out / spec.file, raw_spec, spec, 1e-4, 1e-4,
                        vocab=m.source["vocab_size"])
     assert any(not r.ok for r in rows if r.output == C.TREE_SCORES)
     dec = graphs.load(out, provider="cpu", threads=1, eagle_draft="one_call", adaptive=False)

@@ -36,12 +36,14 @@ SCATTER_OPSET = 24  # the first ONNX opset with TensorScatter
 
 
 def write_in_place(proto: onnx.ModelProto, num_layers: int, q_heads: int, kv_heads: int, head_dim: int,
-                   base_dir=None, max_positions: int | None = None) -> tuple[onnx.ModelProto, str]:
-    """Rewrite the base graph ``proto`` (every layer's K and V); returns (the new model, its K/V layout).
+                   base_dir=None, max_positions: int | None = None, compact: bool = True
+                   ) -> tuple[onnx.ModelProto, str]:
+    """Rewrite the graph ``proto`` (every layer's K and V); returns (the new model, its K/V layout).
 
     Layout ``"bsh"`` where every layer is the fused attention this project's passes write (the
-    compact form below); else ``"bhsd"`` (only the concatenations replaced). Raises ValueError when
-    a layer's past is not concatenated with its new rows as traced."""
+    compact form below); else, or with ``compact=False`` (the EAGLE drafter's graphs, whose one-call
+    tree graph also reads the past in its unrolled tree levels), ``"bhsd"``: only the concatenations
+    replaced. Raises ValueError when a layer's past is not concatenated with its new rows as traced."""
     opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
     if opset == SCATTER_OPSET - 1:
         # 23 -> 24 only widens type lists (and gives Attention an optional input): the same graph.
@@ -49,16 +51,18 @@ def write_in_place(proto: onnx.ModelProto, num_layers: int, q_heads: int, kv_hea
         next(o for o in proto.opset_import if o.domain in ("", "ai.onnx")).version = SCATTER_OPSET
     elif opset < SCATTER_OPSET:
         proto = version_converter.convert_version(proto, SCATTER_OPSET)
-    compact = onnx.ModelProto()
-    compact.CopyFrom(proto)
-    try:
-        _compact(compact, num_layers, q_heads, kv_heads, head_dim, base_dir)
-        if max_positions:
-            _rotary_tables(compact, int(max_positions), base_dir)
-        return compact, "bsh"
-    except _NoMatchError:
-        _scatter_4d(proto, num_layers)
-        return proto, "bhsd"
+    if compact:
+        small = onnx.ModelProto()
+        small.CopyFrom(proto)
+        try:
+            _compact(small, num_layers, q_heads, kv_heads, head_dim, base_dir)
+            if max_positions:
+                _rotary_tables(small, int(max_positions), base_dir)
+            return small, "bsh"
+        except _NoMatchError:
+            pass
+    _scatter_4d(proto, num_layers)
+    return proto, "bhsd"
 
 
 class _NoMatchError(Exception):
@@ -96,6 +100,11 @@ def _scatter_4d(proto: onnx.ModelProto, num_layers: int) -> None:
         g.node[k].CopyFrom(scatter)
     for node in g.node:
         node.input[:] = [rename.get(x, x) for x in node.input]
+        # a longer concatenation that starts with the same pair (the one-call EAGLE tree graph's tree
+        # levels, Concat(past, new, level rows) after onnxscript's optimizer) reads the buffer too
+        if node.op_type == "Concat" and len(node.input) > 2 and node.input[0] in pasts \
+                and node.input[1] == "kv_new." + pasts[node.input[0]][len("present."):]:
+            node.input[:] = [pasts[node.input[0]], *node.input[2:]]
     g.input.append(helper.make_tensor_value_info(C.KV_WRITE, TensorProto.INT64, [C.BATCH]))
     for t in g.input:
         if t.name == C.ATTENTION_MASK:
