@@ -71,6 +71,12 @@ class OptimizeOptions:
     # concatenating the whole cache in every layer; None: on for the CPU (ORT's CPU TensorScatter
     # writes in place), off for CUDA, where the engine keeps K/V on the host for now
     kv_in_place: bool | None = None
+    # the base's K/V buffers where it writes them in place (its fused layers, exporter.passes.kv_inplace):
+    # "bhsd" (B, kv_heads, P, head_dim), which ONNX Attention's CPU kernel reads per head contiguously,
+    # or "bsh" (B, P, kv_heads * head_dim), genai's compact 3-D form, 4 nodes a layer fewer but a
+    # strided read per head: measured on the 19M model, 2 threads, the step's slope against context
+    # 1.5-2x genai's with "bsh", 1.0-1.3x with "bhsd" (docs/benchmarks.md)
+    kv_layout: str = "bhsd"
     validate: bool = True  # raw-vs-optimized parity on tree/batch/past cases before the swap
     time_gain: bool = True  # time raw vs optimized base at 1 and 8 tokens for the summary
 
@@ -86,6 +92,8 @@ class OptimizeOptions:
                 raise UserError(f"{flag} {level} must be 0-4 (0: float32 compute, 4: int8)")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise UserError(f"--block-size {self.block_size} must be a power of two >= 16 (32 advised)")
+        if self.kv_layout not in C.KV_LAYOUTS:
+            raise UserError(f"unknown --kv-layout {self.kv_layout!r}; accepted: {', '.join(C.KV_LAYOUTS)}")
         if self.kv_in_place and self.target != "cpu":
             raise UserError("--kv-in-place is built for --target cpu (the CUDA engine keeps K/V on the host); "
                             "drop it")
@@ -174,7 +182,7 @@ def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=p
                                            src_dims.get("num_kv_heads", 0), src_dims.get("head_dim", 0),
                                            base_dir=src.parent,
                                            max_positions=src_dims.get("max_position_embeddings"),
-                                           compact=role == "base")
+                                           compact=role == "base", layout=opts.kv_layout)
         except ValueError as e:
             raise UserError(f"{role} graph {src.name}: cannot write K/V in place ({e}); the export is untouched: "
                             f"optimize with --no-kv-in-place") from None

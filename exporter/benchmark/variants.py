@@ -40,6 +40,8 @@ VARIANTS: dict[str, dict] = {
     "int4-exact": {"quantize": "int4", "accuracy_level": 0},
     # the concatenating K/V form optimize wrote before K/V in place (for side-by-side runs)
     "fused-concat": {"quantize": "none", "kv_in_place": False},
+    # the compact 3-D K/V layout (genai's; fewer nodes, the slower attention per cached token)
+    "fused-bsh": {"quantize": "none", "kv_layout": "bsh"},
 }
 TREE_TOKENS = (1, 8, 16, 32)
 

@@ -36,8 +36,8 @@ SCATTER_OPSET = 24  # the first ONNX opset with TensorScatter
 
 
 def write_in_place(proto: onnx.ModelProto, num_layers: int, q_heads: int, kv_heads: int, head_dim: int,
-                   base_dir=None, max_positions: int | None = None, compact: bool = True
-                   ) -> tuple[onnx.ModelProto, str]:
+                   base_dir=None, max_positions: int | None = None, compact: bool = True,
+                   layout: str = "bhsd") -> tuple[onnx.ModelProto, str]:
     """Rewrite the graph ``proto`` (every layer's K and V); returns (the new model, its K/V layout).
 
     Layout ``"bsh"`` where every layer is the fused attention this project's passes write (the
@@ -55,10 +55,10 @@ def write_in_place(proto: onnx.ModelProto, num_layers: int, q_heads: int, kv_hea
         small = onnx.ModelProto()
         small.CopyFrom(proto)
         try:
-            _compact(small, num_layers, q_heads, kv_heads, head_dim, base_dir)
+            _compact(small, num_layers, q_heads, kv_heads, head_dim, base_dir, layout)
             if max_positions:
                 _rotary_tables(small, int(max_positions), base_dir)
-            return small, "bsh"
+            return small, layout
         except _NoMatchError:
             pass
     _scatter_4d(proto, num_layers)
@@ -115,7 +115,8 @@ def _scatter_4d(proto: onnx.ModelProto, num_layers: int) -> None:
     del g.value_info[:]  # shapes inferred on the old layout (P+S) no longer hold
 
 
-def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int, base_dir=None) -> None:
+def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int, base_dir=None,
+             layout: str = "bhsd") -> None:
     """The fused attention block of every layer, in the (B, S, heads * hd) layout genai's graphs use::
 
         q ─ Reshape ─ Transpose ─ RotaryEmbedding ─────────────────────────────┐
@@ -193,7 +194,7 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
         if attrs(rq) or attrs(rk):  # interleaved / partial rotary: keep the 4-D graph
             raise _NoMatchError("rotary attributes")
         q3, k3, v3 = split_heads(rq.input[0], nq), split_heads(rk.input[0], nkv), split_heads(new_v, nkv)
-        fused = _fuse_qkv(g, producer, inits, q3, k3, v3, base_dir)
+        fused = _fuse_qkv(g, producer, inits, q3, k3, v3, base_dir, heads=(nq, nkv, hd) if layout == "bhsd" else None)
         if fused is not None:
             new_nodes.append(("qkv", fused))
         after_t = [n for n in g.node if att.output[0] in n.input]
@@ -221,13 +222,29 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
         cq, sq = half[op(rq.input[1], "Slice").input[0]], half[op(rq.input[2], "Slice").input[0]]
         ck, sk = half[op(rk.input[1], "Slice").input[0]], half[op(rk.input[2], "Slice").input[0]]
         qr, kr = f"kv_q.{layer}", f"kv_new.{layer}.key"
-        new_nodes.append((att.name, [
-            onnx.helper.make_node("RotaryEmbedding", [q3, cq, sq], [qr], num_heads=nq, name=f"rotary/q.{layer}"),
-            onnx.helper.make_node("RotaryEmbedding", [k3, ck, sk], [kr], num_heads=nkv, name=f"rotary/k.{layer}"),
-            onnx.helper.make_node("TensorScatter", [past_k, kr, C.KV_WRITE], [pk], axis=1, name=f"kv_write/{pk}"),
-            onnx.helper.make_node("TensorScatter", [past_v, v3, C.KV_WRITE], [pv], axis=1, name=f"kv_write/{pv}"),
-            onnx.helper.make_node("Attention", [qr, pk, pv, mask], [out3], scale=attrs(att).get("scale", hd ** -0.5),
-                                  q_num_heads=nq, kv_num_heads=nkv, name=f"attention.{layer}")]))
+        scale = attrs(att).get("scale", hd ** -0.5)
+        if layout == "bsh":
+            new_nodes.append((att.name, [
+                onnx.helper.make_node("RotaryEmbedding", [q3, cq, sq], [qr], num_heads=nq, name=f"rotary/q.{layer}"),
+                onnx.helper.make_node("RotaryEmbedding", [k3, ck, sk], [kr], num_heads=nkv, name=f"rotary/k.{layer}"),
+                onnx.helper.make_node("TensorScatter", [past_k, kr, C.KV_WRITE], [pk], axis=1, name=f"kv_write/{pk}"),
+                onnx.helper.make_node("TensorScatter", [past_v, v3, C.KV_WRITE], [pv], axis=1, name=f"kv_write/{pv}"),
+                onnx.helper.make_node("Attention", [qr, pk, pv, mask], [out3], scale=scale, q_num_heads=nq,
+                                      kv_num_heads=nkv, name=f"attention.{layer}")]))
+        else:  # heads split once (with the fused QKV: one Reshape + Transpose + Split for all three)
+            heads = []
+            if fused is not None:
+                q4, k4, v4 = (x + "/4d" for x in (q3, k3, v3))
+            else:
+                q4, k4, v4 = (_to_heads(x, n, hd, heads) for x, n in ((q3, nq), (k3, nkv), (v3, nkv)))
+            y4 = f"kv_attn.{layer}"
+            new_nodes.append((att.name, heads + [
+                onnx.helper.make_node("RotaryEmbedding", [q4, cq, sq], [qr], name=f"rotary/q.{layer}"),
+                onnx.helper.make_node("RotaryEmbedding", [k4, ck, sk], [kr], name=f"rotary/k.{layer}"),
+                onnx.helper.make_node("TensorScatter", [past_k, kr, C.KV_WRITE], [pk], axis=2, name=f"kv_write/{pk}"),
+                onnx.helper.make_node("TensorScatter", [past_v, v4, C.KV_WRITE], [pv], axis=2, name=f"kv_write/{pv}"),
+                onnx.helper.make_node("Attention", [qr, pk, pv, mask], [y4], scale=scale, name=f"attention.{layer}"),
+                *_from_heads(y4, out3, nq * hd)]))
         drop.update(id(n) for n in (att, rq, rk, cat_k, cat_v, after_t[0], after_r[0]))
         out_rename[pk], out_rename[pv] = pk, pv
     # the old presents (4-D new rows) were graph outputs: the outputs are now the buffers
@@ -244,17 +261,34 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
         if t.name.startswith(("past_key_values.", "present.")):
             dims = t.type.tensor_type.shape.dim
             del dims[:]
-            for d in (C.BATCH, C.PAST, nkv * hd):
+            for d in ((C.BATCH, C.PAST, nkv * hd) if layout == "bsh" else (C.BATCH, nkv, C.PAST, hd)):
                 dims.add().CopyFrom(onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [d]).type.tensor_type
                                     .shape.dim[0])
         elif t.name == C.ATTENTION_MASK:
             t.type.tensor_type.shape.dim[3].dim_param = C.PAST
     del g.value_info[:]
-    _topological(g)
+    _topological(g, strict=False)
     _remove_dead(g)  # (walks back from the outputs: needs the order)
+    _topological(g)  # every live node's inputs are produced
 
 
-def _fuse_qkv(g, producer: dict, inits: dict, q3: str, k3: str, v3: str, base_dir) -> list | None:
+def _to_heads(x3: str, heads: int, hd: int, nodes: list) -> str:
+    """(B, S, heads * hd) -> (B, heads, S, hd): a Reshape by a constant shape and a Transpose."""
+    shape = onnx.helper.make_node("Constant", [], [x3 + "/heads"], value_ints=[0, 0, heads, hd])
+    nodes += [shape, onnx.helper.make_node("Reshape", [x3, x3 + "/heads"], [x3 + "/bshd"]),
+              onnx.helper.make_node("Transpose", [x3 + "/bshd"], [x3 + "/4d"], perm=[0, 2, 1, 3])]
+    return x3 + "/4d"
+
+
+def _from_heads(y4: str, out3: str, width: int) -> list:
+    """(B, heads, S, hd) -> (B, S, heads * hd), the attention's output for the output projection."""
+    return [onnx.helper.make_node("Transpose", [y4], [y4 + "/bshd"], perm=[0, 2, 1, 3]),
+            onnx.helper.make_node("Constant", [], [y4 + "/merge"], value_ints=[0, 0, width]),
+            onnx.helper.make_node("Reshape", [y4 + "/bshd", y4 + "/merge"], [out3])]
+
+
+def _fuse_qkv(g, producer: dict, inits: dict, q3: str, k3: str, v3: str, base_dir,
+              heads: tuple[int, int, int] | None = None) -> list | None:
     """q, k and v projections of one input, each a MatMul by a constant (K, N) weight -> one MatMul by
     the weights side by side and a Split: one weight stream and one kernel call instead of three.
     Each output column is the same dot product as before (parity checks it). None when the three
@@ -276,8 +310,17 @@ def _fuse_qkv(g, producer: dict, inits: dict, q3: str, k3: str, v3: str, base_di
         m.output[0] = "kv_dead/" + m.output[0]
     split = numpy_helper.from_array(np.array([w.shape[1] for w in ws], dtype=np.int64), name + "/split")
     g.initializer.append(split)
-    return [onnx.helper.make_node("MatMul", [mms[0].input[0], name], [out], name=name + "/MatMul"),
-            onnx.helper.make_node("Split", [out, split.name], [q3, k3, v3], axis=-1, name=name + "/Split")]
+    matmul = onnx.helper.make_node("MatMul", [mms[0].input[0], name], [out], name=name + "/MatMul")
+    if heads is None:
+        return [matmul, onnx.helper.make_node("Split", [out, split.name], [q3, k3, v3], axis=-1, name=name + "/Split")]
+    # the 4-D layout: the heads of q, k and v split at once (names q3 + "/4d", ...: (B, heads, S, hd))
+    nq, nkv, hd = heads
+    nodes = [matmul]
+    x4 = _to_heads(out, nq + 2 * nkv, hd, nodes)
+    g.initializer[-1].CopyFrom(numpy_helper.from_array(np.array([nq, nkv, nkv], dtype=np.int64), split.name))
+    nodes.append(onnx.helper.make_node("Split", [x4, split.name], [q3 + "/4d", k3 + "/4d", v3 + "/4d"], axis=1,
+                                       name=name + "/Split"))
+    return nodes
 
 
 TABLE_BYTES = 256 << 20  # cos/sin tables above this stay computed in the graph
@@ -354,8 +397,10 @@ def _remove_dead(g) -> None:
     g.initializer.extend(inits)
 
 
-def _topological(g) -> None:
-    """Order nodes so each comes after its inputs' producers (the new nodes were appended)."""
+def _topological(g, strict: bool = True) -> None:
+    """Order nodes so each comes after its inputs' producers (the new nodes were appended).
+    ``strict=False``: nodes whose inputs nothing produces any more (dead ones, about to be removed)
+    go last instead of raising."""
     ready = {t.name for t in g.input} | {t.name for t in g.initializer} | {""}
     pending, out = list(g.node), []
     while pending:
@@ -367,7 +412,10 @@ def _topological(g) -> None:
             else:
                 rest.append(n)
         if len(rest) == len(pending):
-            raise ValueError("the rewritten graph has a cycle or a missing input")
+            if strict:
+                raise ValueError("the rewritten graph has a cycle or a missing input")
+            out += rest
+            break
         pending = rest
     del g.node[:]
     g.node.extend(out)
