@@ -16,7 +16,7 @@ assignment per buffer (rows, columns and node indices flattened)::
 
     cache[rows, :, lens[rows] + j] = present[rows, :, idx[rows, j]]     for j < counts[rows]
 
-Capacity grows in buckets (an amortised copy) and never past ``max_len + headroom``, the budget fixed
+Capacity grows in buckets (an amortised copy, an eighth at least) and never past ``max_len + headroom``, the budget fixed
 when the cache is made: ``budget_bytes`` is what the buffers can ever hold, ``allocated_bytes`` what
 they hold now. ``headroom`` leaves room past a full row for temporary rows (EAGLE's step-wise draft
 tree), written at ``top = max(lens)`` for every row and dropped after the step.
@@ -68,12 +68,17 @@ class SlotCache:
         return self.bytes_per_column * self.capacity
 
     def reserve(self, columns: int) -> None:
-        """Make every row able to hold ``columns`` columns (grows by half at least, up to the limit)."""
+        """Make every row able to hold ``columns`` columns (grows by an eighth at least, up to the limit).
+
+        The attention reads every column of the capacity (masked or not), so the capacity tracks the
+        longest row closely: at most 1/8 above it past 512 columns (with growth by half it was up to
+        1.5x, the attention's cost with it). Each growth copies the rows, O(1) amortised per column
+        (about 8x the final size in all: ~0.4% of the steps' time measured at 2048 tokens)."""
         if columns <= self.capacity:
             return
         if columns > self.limit:
             raise ValueError(f"SlotCache: {columns} columns exceed the budget of {self.limit}")
-        cap = min(max(-(-columns // self.bucket) * self.bucket, self.capacity + self.capacity // 2), self.limit)
+        cap = min(max(-(-columns // self.bucket) * self.bucket, self.capacity + self.capacity // 8), self.limit)
         top = int(self.lens[: self.n].max(initial=0)) + self.temp
         for bufs in (self.keys, self.values):
             for i, old in enumerate(bufs):

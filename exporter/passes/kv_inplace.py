@@ -6,7 +6,8 @@ The traced base graph appends each layer's new K/V to the past inside the graph:
     present.i.key         (B, kv, S, hd) ─ Concat(axis=2) ─▶ (B, kv, P+S, hd) ─▶ attention
 
 so every call copies the whole cache once per layer and tensor, a cost that grows with the context.
-This pass turns the past input into the caller's buffer and writes the S new rows into it::
+This pass (on the base and on the EAGLE drafter's graphs) turns the past input into the caller's buffer
+and writes the S new rows into it::
 
     past_key_values.i.key (B, kv, P, hd) ─┐                                   P: the buffer's columns
     new rows              (B, kv, S, hd) ─ TensorScatter(axis=2) ─▶ present.i.key (B, kv, P, hd) ─▶ attention
@@ -117,21 +118,33 @@ def _scatter_4d(proto: onnx.ModelProto, num_layers: int) -> None:
 
 def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int, base_dir=None,
              layout: str = "bhsd") -> None:
-    """The fused attention block of every layer, in the (B, S, heads * hd) layout genai's graphs use::
+    """The fused attention block of every layer without the traced shape plumbing::
 
         q ─ Reshape ─ Transpose ─ RotaryEmbedding ─────────────────────────────┐
         k ─ Reshape ─ Transpose ─ RotaryEmbedding ─ Concat(past, ·) ──────────  Attention ─ Transpose ─ Reshape ─▶
         v ─ Reshape ─ Transpose ─────────────────── Concat(past, ·) ──────────┘
-    becomes::
+
+    (each Reshape's target computed from the input's shape at run time) becomes, ``layout="bhsd"``
+    (K/V buffers (B, kv, P, hd))::
+
+        qkv ─ Reshape(0, 0, nq + 2 nkv, hd) ─ Transpose ─ Split ─ q ─ RotaryEmbedding ───────────────────┐
+                                                               ─ k ─ RotaryEmbedding ─ TensorScatter(axis 2) ─ Attention ─ Transpose ─ Reshape ─▶
+                                                               ─ v ───────────────────── TensorScatter(axis 2) ┘
+
+    (one MatMul for q, k and v where they are unbiased; else each its own constant Reshape and
+    Transpose), or ``layout="bsh"`` (K/V buffers (B, P, kv * hd), genai's compact 3-D form)::
 
         q ─ RotaryEmbedding(num_heads) ──────────────────────────────────┐
         k ─ RotaryEmbedding(num_heads) ─ TensorScatter(past, ·, axis=1) ─  Attention(q_num_heads, kv_num_heads) ─▶
         v ──────────────────────────────── TensorScatter(past, ·, axis=1) ┘
 
-    with the K/V buffers (B, P, kv * hd) and each layer's cos/sin halves sliced once for all layers.
-    The same arithmetic (the ONNX ops' 3-D forms split heads as the Reshapes did); what the shape
-    plumbing computed becomes dead and is removed. Raises _NoMatchError on anything else (a q/k norm
-    between the Reshape and the Transpose, partial rotary, ...): the caller keeps the 4-D layout."""
+    with each layer's cos/sin halves sliced once for all layers. The same arithmetic (the 3-D ONNX
+    ops split heads as the Reshapes did); what the shape plumbing computed becomes dead and is
+    removed. ``bsh`` has 4 nodes a layer fewer, but ONNX Attention's CPU kernel then reads each head's
+    K/V with a stride of kv * hd: measured 1.5x slower per cached token than ``bhsd`` on a 2-core AVX2
+    machine with the cache out of L2 (docs/benchmarks.md). Raises _NoMatchError on anything else (a
+    q/k norm between the Reshape and the Transpose, partial rotary, ...): the caller keeps the traced
+    4-D layout."""
     g = proto.graph
     producer = {o: n for n in g.node for o in n.output}
     inits = {t.name: t for t in g.initializer}
