@@ -40,13 +40,13 @@ from graphs.adaptive import AdaptiveConfig, Costs, Planner, RowGains
 from graphs.eagle_draft import DRAFT_MODES, baked_trees, choose_graph
 from graphs.engine import Engine, EngineConfig, Request
 from graphs.errors import ArtifactError, InputError, as_input_error
+from graphs.kv import inplace_mask
 from graphs.limits import check_eagle_tree, check_medusa_tree
 from graphs.manifest import Manifest
 from graphs.params import GenerationParams, Resolved, check_prompt
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
 from graphs.schema import check_session, load_graph
 from graphs.sessions import InPlaceRun, make_session, resolve_provider, warn_if_other_target, warn_if_tree_stale
-from graphs.kv import inplace_mask
 from graphs.slots import attention_mask
 from graphs.trees import DEFAULT_EAGLE_TREE, Tree, default_medusa_paths, load_tree_file, medusa_tree
 
@@ -228,7 +228,7 @@ class Decoder:
         """The base graph writes the S new rows of row b into ``kv``'s buffers at the column of b's
         next write (``kv.write_columns``); the returned outputs hold no ``present.*`` and ``kv.commit``
         / ``kv.append`` then take ``None`` for them (the rows are already in place)."""
-        bsz, s = ids.shape
+        s = ids.shape[1]
         starts = kv.write_columns(rows)
         kv.reserve_columns(int(starts.max(initial=0)) + s)
         past = kv.past_mask() if rows is None else kv.past_mask(rows)  # (B, capacity), after the growth

@@ -16,10 +16,11 @@ assignment per buffer (rows, columns and node indices flattened)::
 
     cache[rows, :, lens[rows] + j] = present[rows, :, idx[rows, j]]     for j < counts[rows]
 
-Capacity grows in buckets (an amortised copy, an eighth at least) and never past ``max_len + headroom``, the budget fixed
-when the cache is made: ``budget_bytes`` is what the buffers can ever hold, ``allocated_bytes`` what
-they hold now. ``headroom`` leaves room past a full row for temporary rows (EAGLE's step-wise draft
-tree), written at ``top = max(lens)`` for every row and dropped after the step.
+Capacity grows in buckets (an amortised copy, an eighth at least) and never past
+``max_len + headroom``, the budget fixed when the cache is made: ``budget_bytes`` is what the buffers
+can ever hold, ``allocated_bytes`` what they hold now. ``headroom`` leaves room past a full row for
+temporary rows (EAGLE's step-wise draft tree), written at ``top = max(lens)`` for every row and
+dropped after the step.
 """
 
 from __future__ import annotations

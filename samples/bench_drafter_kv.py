@@ -57,9 +57,9 @@ def main(argv=None) -> int:
             row = {k: {"draft_ms_per_call": float(np.median([x[0] for x in v])),
                        "ms_per_step": float(np.median([x[1] for x in v]))} for k, v in runs.items()}
             report[f"{draft}/{ctx}"] = row
-            print(f"{draft:8s} context {ctx:5d}: " + ", ".join(
-                f"{k} {v['draft_ms_per_call']:.2f} ms/draft call, {v['ms_per_step']:.2f} ms/step" for k, v in row.items()),
-                flush=True)
+            cells = [f"{k} {v['draft_ms_per_call']:.2f} ms/draft call, {v['ms_per_step']:.2f} ms/step"
+                     for k, v in row.items()]
+            print(f"{draft:8s} context {ctx:5d}: " + ", ".join(cells), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -1,6 +1,7 @@
 """Raw vs fused vs int4 (and int8) verify latency on a TinyLlama-1.1B-shaped base (random weights).
 
-    python samples/optimize_scale.py [--layers N] [--variants raw,fused,int4] [--tree-tokens 1,8,16,32] [--json F] [--png F]
+    python samples/optimize_scale.py [--layers N] [--variants raw,fused,int4] [--tree-tokens 1,8,16,32]
+                                     [--json F] [--png F]
                                      [--shape tinyllama|medium] [--work DIR] [--keep]
 
 Builds the base with TinyLlama-1.1B's configuration (samples/scale_export.py; nothing downloaded),

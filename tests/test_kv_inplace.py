@@ -113,10 +113,8 @@ def test_in_place_equals_concat_on_trees_with_rows_of_different_lengths(pair, se
     run = InPlaceRun(make_session(ip / "base.onnx", "cpu", 1), m.graphs["base"])
     got = run.run({C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.KV_WRITE: lens},
                   dict(zip(names, graph_bufs)))
-    if layout == "bsh":  # what the graph wrote, as (B, kv, cap, hd)
-        bufs = [g.reshape(bsz, cap, kvh, hd).transpose(0, 2, 1, 3) for g in graph_bufs]
-    else:
-        bufs = graph_bufs
+    # what the graph wrote, as (B, kv, cap, hd)
+    bufs = [g.reshape(bsz, cap, kvh, hd).transpose(0, 2, 1, 3) for g in graph_bufs] if layout == "bsh" else graph_bufs
     # the concat graph: the same pasts padded to the longest row, holes masked
     p = int(lens.max())
     cmask = np.zeros((bsz, 1, s, p + s), dtype=bool)

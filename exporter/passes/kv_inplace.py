@@ -127,9 +127,10 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
     (each Reshape's target computed from the input's shape at run time) becomes, ``layout="bhsd"``
     (K/V buffers (B, kv, P, hd))::
 
-        qkv ─ Reshape(0, 0, nq + 2 nkv, hd) ─ Transpose ─ Split ─ q ─ RotaryEmbedding ───────────────────┐
-                                                               ─ k ─ RotaryEmbedding ─ TensorScatter(axis 2) ─ Attention ─ Transpose ─ Reshape ─▶
-                                                               ─ v ───────────────────── TensorScatter(axis 2) ┘
+        qkv ─ Reshape(0, 0, nq + 2 nkv, hd) ─ Transpose ─ Split ─ q ─ RotaryEmbedding ────────────────┐
+                                                               ─ k ─ RotaryEmbedding ─ TensorScatter(2) ─ Attention ─▶
+                                                               ─ v ───────────────────── TensorScatter(2) ┘
+        ─▶ Transpose ─ Reshape(0, 0, nq * hd) ─▶ (the output projection)
 
     (one MatMul for q, k and v where they are unbiased; else each its own constant Reshape and
     Transpose), or ``layout="bsh"`` (K/V buffers (B, P, kv * hd), genai's compact 3-D form)::
@@ -251,7 +252,7 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
             else:
                 q4, k4, v4 = (_to_heads(x, n, hd, heads) for x, n in ((q3, nq), (k3, nkv), (v3, nkv)))
             y4 = f"kv_attn.{layer}"
-            new_nodes.append((att.name, heads + [
+            new_nodes.append((att.name, [*heads,
                 onnx.helper.make_node("RotaryEmbedding", [q4, cq, sq], [qr], name=f"rotary/q.{layer}"),
                 onnx.helper.make_node("RotaryEmbedding", [k4, ck, sk], [kr], name=f"rotary/k.{layer}"),
                 onnx.helper.make_node("TensorScatter", [past_k, kr, C.KV_WRITE], [pk], axis=2, name=f"kv_write/{pk}"),
