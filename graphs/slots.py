@@ -161,6 +161,9 @@ class SlotCache:
         idx (B, A) int: which of the S new positions to keep, in order (pad with any index)
         counts (B,) int: how many of those A each row keeps (0: nothing, e.g. a row along for the ride)
         """
+        if presents is None and idx.shape[1] == 1:  # a plain step written in place: only the lengths move
+            self.lens[first : first + idx.shape[0]] += counts
+            return
         counts = np.asarray(counts, dtype=np.int64)
         bsz, a = idx.shape
         rows = first + np.arange(bsz)
