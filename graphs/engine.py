@@ -303,8 +303,6 @@ class Engine:
 
     def _prefill(self) -> list:
         """Prompt chunks within the step's token budget, one base call per contiguous run of rows."""
-        if not any(r.state == PREFILL for r in self._rows):  # the common step: nothing to prefill
-            return []
         cfg = self.config
         decoding = sum(r.state == DECODING for r in self._rows)
         budget = max(cfg.step_tokens - decoding * self.planner.last_width, cfg.prefill_chunk)

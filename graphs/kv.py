@@ -90,7 +90,7 @@ class KVCache(Columns):
         super().__init__(num_layers, batch, kv_heads, head_dim, dtype, bucket)
         self.layout = layout  # "bsh": stored (B, capacity, kv*hd), keys/values are 4-D views (graphs.slots)
         self.generation = 0  # bumped whenever the buffers are reallocated
-        self.bindings: dict = {}  # graphs.sessions.InPlaceRun's IO bindings of these buffers
+        self.bindings: dict = {}  # graph -> its IO bindings of these buffers (graphs.sessions.InPlaceRun.run_on)
         self.keys = [self._alloc(0) for _ in range(num_layers)]
         self.values = [self._alloc(0) for _ in range(num_layers)]
 
@@ -184,7 +184,6 @@ def inplace_mask(past: np.ndarray, starts: np.ndarray, tree: np.ndarray) -> np.n
     cols = starts[:, None] + np.arange(s)[None, :]  # (B, S): where each row's new rows go
     mask[np.arange(bsz)[:, None], 0, :, cols] = tree.transpose(0, 2, 1)  # [b, j, i] = tree[b, i, j]
     return mask
-
 
 
 def as_inplace_feed(feed: dict, spec: C.GraphSpec):

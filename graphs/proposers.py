@@ -196,15 +196,10 @@ class _Eagle(Plain):
         (no ``present.*``) by name. In place, the S new rows of row b are written at ``starts[b]``;
         else the graph's ``present.*`` come back too (the rows for the caller to commit)."""
         run = self._in_place.get(role)
-        kv = self.kv
         if run is None:
             names = names + [t.name for t in spec.outputs if t.name.startswith("present.")]
-            return dict(zip(names, session.run(names, feed | kv.feed(rows))))
-        span = (None, None) if rows is None else (rows.start, rows.stop)
-        key = (kv.generation, span, kv.n)  # the same memory while these hold
-        cache = kv.bindings.setdefault(role, {})
-        buffers = None if key in cache else kv.feed(rows)
-        return run.run(feed | {C.KV_WRITE: np.asarray(starts, dtype=np.int64)}, buffers, cache, key)
+            return dict(zip(names, session.run(names, feed | self.kv.feed(rows))))
+        return run.run_on(self.kv, feed | {C.KV_WRITE: np.asarray(starts, dtype=np.int64)}, rows)
 
     def memory(self) -> dict:
         return {"drafter_kv_budget_bytes": self.kv.budget_bytes, "drafter_kv_allocated_bytes": self.kv.allocated_bytes}

@@ -234,10 +234,7 @@ class Decoder:
         past = kv.past_mask() if rows is None else kv.past_mask(rows)  # (B, capacity), after the growth
         feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: inplace_mask(past, starts, tree_mask),
                 C.KV_WRITE: starts}
-        span = (None, None) if rows is None else (rows.start, rows.stop)
-        key = (kv.generation, span, getattr(kv, "n", None))  # the same memory while these hold
-        feed_kv = None if key in kv.bindings else (kv.feed() if rows is None else kv.feed(rows))
-        return self._in_place.run(feed, feed_kv, kv.bindings, key)
+        return self._in_place.run_on(kv, feed, rows)
 
     def presents(self, out: dict) -> list | None:
         """The base's ``present.*`` outputs of ``out`` in layer order (K0, V0, K1, V1, ...); None when

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -296,17 +297,13 @@ def warn_if_tree_stale(tree: dict, optimization: dict, source_dtype: str = "floa
     return True
 
 
-_CPU_DEVICE = []
-
-
+@functools.cache
 def _cpu_device():
     """ORT's C-level CPU device for direct IO-binding calls; None where this onnxruntime lacks it."""
-    if not _CPU_DEVICE:
-        try:
-            _CPU_DEVICE.append(ort.OrtDevice.make("cpu", 0)._get_c_device())
-        except Exception:
-            _CPU_DEVICE.append(None)
-    return _CPU_DEVICE[0]
+    try:
+        return ort.OrtDevice.make("cpu", 0)._get_c_device()
+    except Exception:
+        return None
 
 
 class InPlaceRun:
@@ -338,6 +335,15 @@ class InPlaceRun:
             bound = InPlaceRun(session, spec)
             return lambda feed: bound.run(*InPlaceRun.split(feed))
         return lambda feed: session.run(spec.output_names, feed)
+
+    def run_on(self, kv, feed: dict, rows: slice | None = None) -> dict:
+        """:meth:`run` against a cache's buffers (a :class:`graphs.slots.SlotCache`'s ``rows``, or a
+        :class:`graphs.kv.KVCache`). The binding is kept in ``kv.bindings``, one per graph, while the
+        buffers stay the same memory: the cache's allocation generation, the rows, the occupied rows."""
+        cache = kv.bindings.setdefault(self, {})
+        key = (kv.generation, (None, None) if rows is None else (rows.start, rows.stop), getattr(kv, "n", None))
+        buffers = None if key in cache else (kv.feed() if rows is None else kv.feed(rows))
+        return self.run(feed, buffers, cache, key)
 
     def run(self, feed: dict, buffers: dict, cache: dict | None = None, cache_key=None) -> dict:
         """``feed``: the small inputs (arrays), ``buffers``: ``past_key_values.*`` -> contiguous buffers.

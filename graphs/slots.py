@@ -47,7 +47,7 @@ class SlotCache:
         self.lens = np.zeros(slots, dtype=np.int64)  # (slots,) committed columns per row
         self.temp = 0  # temporary columns written at [top, top + temp) this step
         self.generation = 0  # bumped whenever the buffers are reallocated (bindings kept until then)
-        self.bindings: dict = {}  # graphs.sessions.InPlaceRun's IO bindings of these buffers (one engine, one thread)
+        self.bindings: dict = {}  # graph -> its IO bindings of these buffers (InPlaceRun.run_on; one thread)
         self.keys = [self._alloc(0) for _ in range(num_layers)]
         self.values = [self._alloc(0) for _ in range(num_layers)]
 
@@ -199,9 +199,6 @@ class SlotCache:
         """Rows written in place at ``lens`` (node j at column lens + j): node ``idx[b, j]`` moves to
         column ``lens[b] + j`` for j < counts[b]. Nodes already in place (a prefill, a plain step, a
         chain's accepted prefix) move nothing; the others are a few small copies per buffer."""
-        if idx.shape[1] == 1:  # one new row each (a plain step): already in place
-            self.lens[rows] += counts
-            return
         keep = (np.arange(idx.shape[1])[None, :] < counts[:, None]) & (idx != np.arange(idx.shape[1])[None, :])
         b_loc, j = np.nonzero(keep)
         if b_loc.size:

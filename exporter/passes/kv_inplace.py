@@ -237,28 +237,25 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
         ck, sk = half[op(rk.input[1], "Slice").input[0]], half[op(rk.input[2], "Slice").input[0]]
         qr, kr = f"kv_q.{layer}", f"kv_new.{layer}.key"
         scale = attrs(att).get("scale", hd ** -0.5)
+        # the same five ops in both layouts; "bsh" tells them the heads, "bhsd" splits and merges them
+        split, merge = [], []
         if layout == "bsh":
-            new_nodes.append((att.name, [
-                onnx.helper.make_node("RotaryEmbedding", [q3, cq, sq], [qr], num_heads=nq, name=f"rotary/q.{layer}"),
-                onnx.helper.make_node("RotaryEmbedding", [k3, ck, sk], [kr], num_heads=nkv, name=f"rotary/k.{layer}"),
-                onnx.helper.make_node("TensorScatter", [past_k, kr, C.KV_WRITE], [pk], axis=1, name=f"kv_write/{pk}"),
-                onnx.helper.make_node("TensorScatter", [past_v, v3, C.KV_WRITE], [pv], axis=1, name=f"kv_write/{pv}"),
-                onnx.helper.make_node("Attention", [qr, pk, pv, mask], [out3], scale=scale, q_num_heads=nq,
-                                      kv_num_heads=nkv, name=f"attention.{layer}")]))
-        else:  # heads split once (with the fused QKV: one Reshape + Transpose + Split for all three)
-            heads = []
-            if fused is not None:
-                q4, k4, v4 = (x + "/4d" for x in (q3, k3, v3))
-            else:
-                q4, k4, v4 = (_to_heads(x, n, hd, heads) for x, n in ((q3, nq), (k3, nkv), (v3, nkv)))
-            y4 = f"kv_attn.{layer}"
-            new_nodes.append((att.name, [*heads,
-                onnx.helper.make_node("RotaryEmbedding", [q4, cq, sq], [qr], name=f"rotary/q.{layer}"),
-                onnx.helper.make_node("RotaryEmbedding", [k4, ck, sk], [kr], name=f"rotary/k.{layer}"),
-                onnx.helper.make_node("TensorScatter", [past_k, kr, C.KV_WRITE], [pk], axis=2, name=f"kv_write/{pk}"),
-                onnx.helper.make_node("TensorScatter", [past_v, v4, C.KV_WRITE], [pv], axis=2, name=f"kv_write/{pv}"),
-                onnx.helper.make_node("Attention", [qr, pk, pv, mask], [y4], scale=scale, name=f"attention.{layer}"),
-                *_from_heads(y4, out3, nq * hd)]))
+            q, k, v, y, axis = q3, k3, v3, out3, 1
+            rot_q, rot_k, heads = {"num_heads": nq}, {"num_heads": nkv}, {"q_num_heads": nq, "kv_num_heads": nkv}
+        else:  # with the fused QKV, one Reshape + Transpose + Split for all three (_fuse_qkv)
+            q, k, v = ((x + "/4d" for x in (q3, k3, v3)) if fused is not None else
+                       (_to_heads(x, n, hd, split) for x, n in ((q3, nq), (k3, nkv), (v3, nkv))))
+            y, axis, rot_q, rot_k, heads = f"kv_attn.{layer}", 2, {}, {}, {}
+            merge = _from_heads(y, out3, nq * hd)
+        new_nodes.append((att.name, [
+            *split,
+            onnx.helper.make_node("RotaryEmbedding", [q, cq, sq], [qr], name=f"rotary/q.{layer}", **rot_q),
+            onnx.helper.make_node("RotaryEmbedding", [k, ck, sk], [kr], name=f"rotary/k.{layer}", **rot_k),
+            onnx.helper.make_node("TensorScatter", [past_k, kr, C.KV_WRITE], [pk], axis=axis, name=f"kv_write/{pk}"),
+            onnx.helper.make_node("TensorScatter", [past_v, v, C.KV_WRITE], [pv], axis=axis, name=f"kv_write/{pv}"),
+            onnx.helper.make_node("Attention", [qr, pk, pv, mask], [y], scale=scale, name=f"attention.{layer}",
+                                  **heads),
+            *merge]))
         drop.update(id(n) for n in (att, rq, rk, cat_k, cat_v, after_t[0], after_r[0]))
         out_rename[pk], out_rename[pv] = pk, pv
     # the old presents (4-D new rows) were graph outputs: the outputs are now the buffers
@@ -322,18 +319,16 @@ def _fuse_qkv(g, producer: dict, inits: dict, q3: str, k3: str, v3: str, base_di
     out = mms[0].output[0] + "/qkv"
     for m in mms:  # the three MatMuls become dead (their outputs are renamed to the Split's)
         m.output[0] = "kv_dead/" + m.output[0]
-    split = numpy_helper.from_array(np.array([w.shape[1] for w in ws], dtype=np.int64), name + "/split")
-    g.initializer.append(split)
-    matmul = onnx.helper.make_node("MatMul", [mms[0].input[0], name], [out], name=name + "/MatMul")
+    # 3-D: split the columns into q, k, v; 4-D: split the heads at once (q3 + "/4d", ...: (B, heads, S, hd))
+    sizes = [w.shape[1] for w in ws] if heads is None else [heads[0], heads[1], heads[1]]
+    g.initializer.append(numpy_helper.from_array(np.array(sizes, dtype=np.int64), name + "/split"))
+    nodes = [onnx.helper.make_node("MatMul", [mms[0].input[0], name], [out], name=name + "/MatMul")]
     if heads is None:
-        return [matmul, onnx.helper.make_node("Split", [out, split.name], [q3, k3, v3], axis=-1, name=name + "/Split")]
-    # the 4-D layout: the heads of q, k and v split at once (names q3 + "/4d", ...: (B, heads, S, hd))
-    nq, nkv, hd = heads
-    nodes = [matmul]
-    x4 = _to_heads(out, nq + 2 * nkv, hd, nodes)
-    g.initializer[-1].CopyFrom(numpy_helper.from_array(np.array([nq, nkv, nkv], dtype=np.int64), split.name))
-    nodes.append(onnx.helper.make_node("Split", [x4, split.name], [q3 + "/4d", k3 + "/4d", v3 + "/4d"], axis=1,
-                                       name=name + "/Split"))
+        x, outs, axis = out, [q3, k3, v3], -1
+    else:
+        nq, nkv, hd = heads
+        x, outs, axis = _to_heads(out, nq + 2 * nkv, hd, nodes), [q3 + "/4d", k3 + "/4d", v3 + "/4d"], 1
+    nodes.append(onnx.helper.make_node("Split", [x, name + "/split"], outs, axis=axis, name=name + "/Split"))
     return nodes
 
 
