@@ -79,6 +79,10 @@ def add_arguments(ap) -> None:
                     help="the base's K/V buffers when written in place: bhsd (default; per-head contiguous, the "
                          "faster attention as the context grows) or bsh (genai's compact 3-D form: fewer nodes, "
                          "slower per cached token)")
+    ap.add_argument("--no-one-sequence-graph", action="store_true",
+                    help="do not write base.gqa.onnx beside the base: the same contract with each layer's attention "
+                         "one GroupQueryAttention, which the runtime runs for one-token steps and one sequence's "
+                         "trees (default on with K/V in place)")
     ap.add_argument("--float32", action="store_true", help="keep float32 on --target cuda")
     ap.add_argument("--block-size", type=int, default=32, help="quantization block size (default 32)")
     ap.add_argument("--no-tune", action="store_true",
@@ -98,7 +102,7 @@ def add_arguments(ap) -> None:
 def options_from_args(args) -> dict:
     return {"target": args.target, "quantize": args.quantize, "quantize_draft": args.quantize_draft,
             "fuse": not args.no_fuse, "kv_in_place": False if args.no_kv_in_place else None,
-            "kv_layout": args.kv_layout,
+            "kv_layout": args.kv_layout, "one_sequence_graph": not args.no_one_sequence_graph,
             "float16": False if args.float32 else None, "block_size": args.block_size,
             "accuracy_level": args.accuracy_level, "draft_accuracy_level": args.draft_accuracy_level,
             "tune": not args.no_tune, "tune_budget_s": args.tune_budget_s}

@@ -302,6 +302,10 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
                 records["base"]["min_rows"] = validation["rows"]["min_rows"]
                 records["base"]["rows_max_abs"] = max(validation["rows"]["single_max_abs"],
                                                       validation["rows"]["multi_max_abs"])
+            if options.validate:
+                one = O.check_one_sequence(out_dir, tmp, manifest, specs, records, options, log)
+                if one is not None:
+                    validation["one_sequence"] = {k: v for k, v in one.items() if k != "file"}
             manifest.graphs = specs
             manifest.optimization = records
             manifest.opset = max([manifest.opset] + [r.get("opset") or 0 for r in records.values()])

@@ -257,6 +257,9 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
             if is_tree_role(role) and _role_dtype(opt.get(role), spec) != "float32":
                 rows = _tree_agreement_only(rows, ref_d, got_d)
             report.rows += rows
+        if role == "base" and (opt.get("base") or {}).get("one_sequence"):
+            report.rows += one_sequence_rows(model, out_dir, opt["base"]["one_sequence"]["file"], spec, cases,
+                                             module, provider, dtype, tol, quant[role])
         if role == "base":
             report.rows += hf_rows(model, session, spec, tol, quant[role], traced[role])
             if distance or quant[role] != "none":
@@ -267,6 +270,41 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
                     report.rows.append(error_row(role, "held_out_text", e))
         del session  # one graph's weights in memory at a time
     return report
+
+
+def one_sequence_cases(cases: list) -> list:
+    """The base's cases that its one-sequence graph takes (one sequence, or one token per row), each
+    batched case also as its sequences one by one (the holes of ``batch2_holes`` included)."""
+    out = []
+    for name, inputs in cases:
+        bsz, s = inputs[0].shape
+        if bsz == 1 or s == 1:
+            out.append((name, inputs))
+        else:
+            out += [(f"{name}[{b}]", [x[b : b + 1].contiguous() for x in inputs]) for b in range(bsz)]
+    return out
+
+
+def one_sequence_rows(model, out_dir: Path, file: str, spec: C.GraphSpec, cases: list, module, provider: str,
+                      dtype: str, tol, quant: str) -> list:
+    """The base's one-sequence graph (``exporter.optimize``; the runtime's graph for one-token steps
+    and one sequence's trees) against PyTorch on :func:`one_sequence_cases`; rows named ``case (file)``."""
+    from graphs.sessions import make_session
+
+    session = _session(make_session, out_dir / file, provider, dtype)
+    rows = []
+    for case, inputs in one_sequence_cases(cases):
+        name = f"{case} ({file})"
+        try:
+            with torch.no_grad():
+                ref = [t.numpy() for t in module(*inputs)]
+            got = run_case(session, spec, inputs)
+        except Exception as e:
+            rows.append(error_row("base", name, e))
+            continue
+        rows += output_rows("base", name, spec, dict(zip(spec.output_names, ref)), dict(zip(spec.output_names, got)),
+                            tol, quant)
+    return rows
 
 
 _TREE_CHOICES = {C.TREE_TOKENS, C.TREE_PARENTS, C.TREE_DEPTH, C.TREE_MASK, C.TREE_SCORES}

@@ -137,6 +137,16 @@ class Decoder:
         # K/V written in place by the graph (exporter.optimize on the CPU): the manifest's spec says so
         self._in_place = InPlaceRun(self.base, self.base_spec) if C.kv_in_place(self.base_spec) else None
         self.kv_layout = C.kv_layout(self.base_spec)  # how the base's K/V buffers are laid out
+        # the base's one-sequence graph (exporter.optimize, CPU): the same contract and buffers, each
+        # layer's attention one GroupQueryAttention, which reads each row's own length; run for the
+        # calls its CPU kernel takes (one token per row, or one sequence), the base for batched trees
+        one = (m.optimization.get("base") or {}).get("one_sequence")
+        self._one_sequence = None
+        if one and self._in_place is not None and self.provider == "cpu":
+            sess = load_graph(make_session, self.out_dir / one["file"], self.provider, threads, optimization,
+                              device_id, session_options, provider_options)
+            check_session(self.base_spec, sess, "base")
+            self._one_sequence = InPlaceRun(sess, self.base_spec)
         # optimize's rows check: where a one-row call rounds otherwise than calls of more rows (MLAS's
         # M == 1 int8 kernel), every one-token call runs as two rows, so all calls share kernels
         self.min_rows = int((m.optimization.get("base") or {}).get("min_rows", 1))
@@ -201,7 +211,7 @@ class Decoder:
         """One base forward over S new positions per row: ids, positions (B, S), tree_mask (B, S, S)
         bool, against the columns ``kv`` holds (a :class:`graphs.slots.SlotCache`, its ``rows``, or a
         :class:`graphs.kv.KVCache`). Returns every output by name (``present.*``: K/V of the S)."""
-        if ids.shape[1] < self.min_rows:  # a padding row that sees only itself; its outputs are dropped
+        if ids.size < self.min_rows:  # a padding row that sees only itself; its outputs are dropped
             return self._padded_forward(kv, ids, pos, tree_mask, rows)
         return self._forward(kv, ids, pos, tree_mask, rows)
 
@@ -234,7 +244,21 @@ class Decoder:
         past = kv.past_mask() if rows is None else kv.past_mask(rows)  # (B, capacity), after the growth
         feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: inplace_mask(past, starts, tree_mask),
                 C.KV_WRITE: starts}
-        return self._in_place.run_on(kv, feed, rows)
+        return self._graph_for(ids, pos, tree_mask, starts).run_on(kv, feed, rows)
+
+    def _graph_for(self, ids, pos, tree_mask, starts) -> InPlaceRun:
+        """The one-sequence graph for the calls its GroupQueryAttention computes as asked: one token
+        per row; one sequence after a past (its tree nodes come after their ancestors, as every tree
+        here); one sequence's causal prefill (without a past the kernel takes positions 0..S-1).
+        The base graph for the rest (a batch of trees), which the kernel refuses."""
+        one = self._one_sequence
+        if one is None:
+            return self._in_place
+        bsz, s = ids.shape
+        if s == 1 or (bsz == 1 and (starts[0] > 0 or (np.array_equal(pos[0], np.arange(s))
+                                                       and np.array_equal(tree_mask[0], np.tri(s, dtype=bool))))):
+            return one
+        return self._in_place
 
     def presents(self, out: dict) -> list | None:
         """The base's ``present.*`` outputs of ``out`` in layer order (K0, V0, K1, V1, ...); None when

@@ -243,6 +243,14 @@ def test_other_architectures_pick_their_layout_and_stay_exact(tiny_model_dir, ex
         assert "Split" not in ops  # biased projections are left alone
     report = compare_model(load_model(tiny_model_dir(kind, model_type)), out)
     assert report.ok, report.table()
+    # the one-sequence graph where the layers are the compact form (Qwen2's q, k, v unpacked into it),
+    # compared with PyTorch as the base is, on the cases it takes
+    one = m.optimization["base"].get("one_sequence")
+    assert (one is not None) == (model_type == "qwen2" and layout == "bhsd")
+    one_rows = [r for r in report.rows if r.case.endswith("(base.gqa.onnx)")]
+    assert bool(one_rows) == (one is not None) and all(r.ok for r in one_rows)
+    if one:
+        assert {r.case.split(" ")[0] for r in one_rows} >= {"prefill", "decode", "tree_b2_past6[0]", "batch2_holes[1]"}
     dec = graphs.load(out, provider="cpu", threads=1)
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 2, 9], [11]]
     ar = dec.generate(prompts, max_new_tokens=16, mode="autoregressive")
@@ -252,25 +260,153 @@ def test_other_architectures_pick_their_layout_and_stay_exact(tiny_model_dir, ex
 
 def test_the_optimized_base_is_about_the_size_of_genais(pair, tmp_path):
     """ORT nodes after session optimization (what a call runs): onnxruntime-genai's builder writes 11
-    per layer for a Llama (+ 3 in all). The compact 3-D form stays within 1.5x of that (measured 96 vs
-    69 on the 19M model); the default 4-D one splits and merges heads around attention, 4 nodes a
-    layer more (120 vs 69: 1.74x), for the faster attention per cached token (docs/benchmarks.md).
+    per layer for a Llama (+ 3 in all). The one-sequence graph (each layer's attention one
+    GroupQueryAttention, as genai's) that one-token steps and one sequence's trees run is within 1.5x
+    of that (measured 73 vs 69 on the 19M model), and so is the compact 3-D form (96); the default
+    4-D base that batches of trees run splits and merges heads around attention, 4 nodes a layer more
+    (120 vs 69: 1.74x), for the faster ONNX Attention per cached token (docs/benchmarks.md).
     A regression guard on node counts."""
     import onnxruntime as ort
 
     ip, cat, bsh = pair
     layers = Manifest.read(ip).source["num_layers"]
     counts = {}
-    for name, out in (("in_place", ip), ("concat", cat), ("bsh", bsh)):
+    for name, path in (("in_place", ip / "base.onnx"), ("concat", cat / "base.onnx"), ("bsh", bsh / "base.onnx"),
+                       ("one_sequence", ip / "base.gqa.onnx")):
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
-        ort.InferenceSession(str(out / "base.onnx"), so, providers=["CPUExecutionProvider"])
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         counts[name] = len(onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node)
     genai = 11 * layers + 3
-    assert counts["bsh"] <= 1.5 * genai, counts
+    assert counts["one_sequence"] <= 1.5 * genai and counts["bsh"] <= 1.5 * genai, counts
     assert counts["in_place"] == counts["bsh"] + 4 * layers, counts
+    # 10 ops a layer -> 1, and the per-row lengths computed once (at most 10 ops)
+    assert counts["one_sequence"] <= counts["in_place"] - 9 * layers + 10, counts
     assert counts["concat"] > 2 * counts["bsh"]  # the shape plumbing the compact form removed
+
+
+def _garbage_buffers(rng, names, bsz, kvh, cap, hd):
+    return {n: rng.standard_normal((bsz, kvh, cap, hd)).astype(np.float32) for n in names}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_one_sequence_graph_computes_what_the_base_computes_for_the_calls_it_takes(pair, seed):
+    """base.gqa.onnx (exporter.passes.kv_inplace.group_query_graph) against the in-place base on the
+    same buffers, garbage in every column a row may not see: one token per row of a batch whose rows
+    have different lengths, one sequence's non-causal tree after a past with holes, a causal
+    prefill. Same logits and hidden states, the same rows written at the same columns, nothing else
+    in the buffers changed."""
+    ip = pair[0]
+    m = Manifest.read(ip)
+    one = m.optimization["base"]["one_sequence"]
+    assert one["file"] == "base.gqa.onnx" and one["file"] in m.files and "vs_base_max_abs" in one
+    layers, kvh, hd, vocab = (m.source[k] for k in ("num_layers", "num_kv_heads", "head_dim", "vocab_size"))
+    ops = [n.op_type for n in onnx.load(str(ip / one["file"]), load_external_data=False).graph.node]
+    assert ops.count("GroupQueryAttention") == layers and "Attention" not in ops and "TensorScatter" not in ops
+    spec = m.graphs["base"]
+    runs = {f: InPlaceRun(make_session(ip / f, "cpu", 1), spec) for f in ("base.onnx", one["file"])}
+    names = [n for i in range(layers) for n in (C.past_key(i), C.past_value(i))]
+    rng = np.random.default_rng(seed)
+    cap = 24
+    for lens, s, tree in (([5, 9, 2], 1, None), ([7], 5, _tree(rng, 5)), ([0], 5, np.tri(5, dtype=bool)),
+                          ([11], 1, None)):
+        lens = np.array(lens)
+        bsz = len(lens)
+        tree = np.ones((1, 1), bool) if tree is None else tree
+        ids = rng.integers(0, vocab, (bsz, s))
+        pos = lens[:, None] + (tree.sum(-1) - 1)[None]
+        mask = np.zeros((bsz, 1, s, cap), dtype=bool)
+        for b in range(bsz):
+            mask[b, 0, :, : lens[b]] = rng.random(lens[b]) > (0.3 if s > 1 else 0.0)  # holes in a tree's past
+            mask[b, 0, :, lens[b] : lens[b] + s] = tree
+        before = _garbage_buffers(rng, names, bsz, kvh, cap, hd)
+        got = {}
+        for f, run in runs.items():
+            bufs = {n: b.copy() for n, b in before.items()}
+            feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.KV_WRITE: lens}
+            got[f] = run.run(feed, bufs), bufs
+        (want, wbufs), (have, hbufs) = got["base.onnx"], got[one["file"]]
+        for out in (C.LOGITS, C.HIDDEN):
+            np.testing.assert_allclose(have[out], want[out], atol=2e-5, rtol=1e-5, err_msg=f"{out} lens {lens} S {s}")
+        for n in names:
+            np.testing.assert_allclose(hbufs[n], wbufs[n], atol=2e-5, rtol=1e-5, err_msg=n)
+            for b in range(bsz):
+                outside = np.ones(cap, dtype=bool)
+                outside[lens[b] : lens[b] + s] = False
+                assert np.array_equal(hbufs[n][b, :, outside], before[n][b, :, outside]), f"{n} row {b}"
+
+
+def test_the_runtime_runs_the_one_sequence_graph_where_its_kernel_can_and_the_base_elsewhere(pair):
+    """Which graph each base call runs, as the engine decodes a batch whose requests arrive and leave
+    at different steps: one-token calls and one sequence's calls on the one-sequence graph, batches
+    of trees on the base (GroupQueryAttention's CPU kernel refuses them); the output is the greedy
+    autoregressive output. Exports without the graph (the 3-D layout, K/V concatenated) run the base."""
+    import graphs
+    from graphs.engine import EngineConfig
+
+    dec = graphs.load(pair[0], provider="cpu", threads=1, adaptive=False)
+    calls = []
+    for name, run in (("one", dec._one_sequence), ("base", dec._in_place)):
+        inner = run.run_on
+
+        def record(kv, feed, rows=None, name=name, inner=inner):
+            calls.append((name, *feed[C.INPUT_IDS].shape))
+            return inner(kv, feed, rows)
+
+        run.run_on = record
+    prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 2, 9], [11], [3, 3, 8, 1, 2]]
+    engine = dec.engine(EngineConfig(max_batch=3))
+    got: dict[int, list[int]] = {}
+    for step in range(200):
+        if step < len(prompts):
+            got[engine.add_request(prompts[step], max_new_tokens=14 + 3 * step)] = []
+        for ev in engine.step():
+            got[ev.request_id] += ev.token_ids
+        if not engine.has_pending_requests():
+            break
+    assert all(b == 1 or s == 1 for g, b, s in calls if g == "one"), calls
+    assert all(b > 1 and s > 1 for g, b, s in calls if g == "base"), calls
+    assert {g for g, _, _ in calls} == {"one", "base"}
+    assert any(g == "one" and b == 1 and s > 1 for g, b, s in calls)  # a tree (or a prefill) of one sequence
+    ar = dec.generate(prompts, max_new_tokens=14, mode="autoregressive")
+    assert [t[:14] for t in got.values()] == [r.token_ids for r in ar]
+    for out in pair[1:]:
+        assert "one_sequence" not in Manifest.read(out).optimization["base"]
+        assert graphs.load(out, provider="cpu", threads=1)._one_sequence is None
+
+
+def test_a_one_sequence_graph_that_fails_the_gate_is_dropped_and_the_base_kept(exported, tmp_path, monkeypatch):
+    """A one-sequence graph that computes something else (here its attention scale halved) is removed
+    with a line saying why; the optimized export is the base alone and decodes as before."""
+    import graphs
+    from exporter.passes import kv_inplace
+
+    real = kv_inplace.group_query_graph
+
+    def wrong(*args):
+        proto = real(*args)
+        for n in proto.graph.node:
+            if n.op_type == "GroupQueryAttention":
+                kept = [a for a in n.attribute if a.name != "scale"]
+                del n.attribute[:]
+                n.attribute.extend([*kept, onnx.helper.make_attribute("scale", 0.05)])
+        return proto
+
+    monkeypatch.setattr(kv_inplace, "group_query_graph", wrong)
+    out = tmp_path / "out"
+    shutil.copytree(exported("medusa"), out)
+    lines = []
+    optimize_export(out, progress=lambda *a, **k: lines.append(" ".join(map(str, a))), time_gain=False, tune=False)
+    m = Manifest.read(out)
+    assert "one_sequence" not in m.optimization["base"] and not (out / "base.gqa.onnx").exists()
+    assert "base.gqa.onnx" not in m.files
+    assert any("one-seq   dropped" in x and "differs from the raw trace" in x for x in lines), lines
+    assert m.validation["optimize"]["one_sequence"]["dropped"]
+    dec = graphs.load(out, provider="cpu", threads=1)
+    assert dec._one_sequence is None
+    assert dec.generate([5, 9, 3], max_new_tokens=8, mode="speculative").token_ids == \
+        dec.generate([5, 9, 3], max_new_tokens=8, mode="autoregressive").token_ids
 
 
 @pytest.fixture(scope="module")

@@ -69,8 +69,10 @@ def test_the_int4_refusal_names_accuracy_level_0(exported, tmp_path, monkeypatch
 
 
 def test_padded_one_token_calls_decode_the_same_tokens(exported, tmp_path, monkeypatch):
-    """min_rows 2: every base call the runtime makes has 2+ rows, and the tokens are those of the
-    same graphs called with one row (float32 graphs: rows agree to ~1e-6)."""
+    """min_rows 2: every base call the runtime makes has 2+ rows (a lone token gets a padding row; a
+    batch's one-token step already has a row per sequence), whichever of the base and its one-sequence
+    graph runs it, and the tokens are those of the same graphs called with one row (float32 graphs:
+    rows agree to ~1e-6)."""
     _scripted(monkeypatch, single=1.0, multi=0.0)
     out = _copy(exported, tmp_path)
     optimize_export(out, **QUIET)
@@ -78,18 +80,18 @@ def test_padded_one_token_calls_decode_the_same_tokens(exported, tmp_path, monke
     padded = graphs.load(out, provider="cpu", threads=1)
     plain = graphs.load(out, provider="cpu", threads=1)
     plain.min_rows = 1  # the same graphs, one-row calls
-    widths = []
-    run = padded._in_place.run
+    shapes = []
+    for graph in (padded._in_place, padded._one_sequence):
+        def spy(feed, buffers, cache=None, key=None, run=graph.run):
+            shapes.append(feed["input_ids"].shape)
+            return run(feed, buffers, cache, key)
 
-    def spy(feed, buffers, cache=None, key=None):
-        widths.append(feed["input_ids"].shape[1])
-        return run(feed, buffers, cache, key)
-
-    padded._in_place.run = spy
-    prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8], [11]]
-    for mode in ("autoregressive", "speculative"):
-        want = plain.generate(prompts, max_new_tokens=12, mode="autoregressive")
-        got = padded.generate(prompts, max_new_tokens=12, mode=mode)
-        assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert widths and min(widths) >= 2
-    assert np.mean([w == 2 for w in widths]) > 0.3  # the autoregressive steps were padded, not skipped
+        graph.run = spy
+    for prompts in ([[5, 9, 3], [7, 1, 4, 4, 2, 8], [11]], [[7, 1, 4]]):
+        for mode in ("autoregressive", "speculative"):
+            want = plain.generate(prompts, max_new_tokens=12, mode="autoregressive")
+            got = padded.generate(prompts, max_new_tokens=12, mode=mode)
+            assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert shapes and min(b * s for b, s in shapes) >= 2
+    lone = [s for b, s in shapes if b == 1]
+    assert np.mean([s == 2 for s in lone]) > 0.3  # the lone autoregressive steps were padded, not skipped

@@ -428,3 +428,133 @@ def _topological(g, strict: bool = True) -> None:
         pending = rest
     del g.node[:]
     g.node.extend(out)
+
+
+# ----------------------------------------------------------------------------- one sequence: GroupQueryAttention
+
+ONE_SEQUENCE_SUFFIX = ".gqa.onnx"  # base.onnx -> base.gqa.onnx, beside it
+
+
+def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int) -> onnx.ModelProto | None:
+    """The compact ``bhsd`` graph (:func:`_compact`, with its fused QKV and its cos/sin tables) with
+    each layer's attention block as one ``com.microsoft.GroupQueryAttention``::
+
+        qkv ─ Reshape ─ Transpose ─ Split ─ q ─ RotaryEmbedding ─────────────────────────┐
+                                          ─ k ─ RotaryEmbedding ─ TensorScatter(2) ─ Attention ─ Transpose ─ Reshape ─▶
+                                          ─ v ──────────────────── TensorScatter(2) ┘
+    becomes::
+
+        qkv (B, S, (nq + 2 nkv) hd) ─ GroupQueryAttention(past buffers shared with the presents,
+                                      seqlens_k, cos/sin tables, position_ids, the mask as bias) ─▶
+
+    (q, k and v each (B, S, heads * hd) where they are projected apart, as with biases)
+
+    the kernel onnxruntime-genai's graphs run: rotary, the cache write and the attention in one op
+    that reads each row's own length (``seqlens_k``) rather than the buffer's every column, 9 nodes a
+    layer fewer. The same inputs and outputs as ``proto`` (the runtime binds the same buffers): the
+    per-row lengths are computed in the graph from ``kv_write_index`` and the call's width.
+
+    Only for the calls the CPU kernel computes as the tree asks: one token per row (any batch), or
+    one sequence (batch 1) with a past (a tree after ancestors, as GQA adds the bias inside its causal
+    mask) or a causal prefill; it refuses a batch of several sequences with several new tokens
+    ("batch_size must be 1 when sequence_length > 1 and past context is given") and in a prefill
+    (no past) takes positions 0..S-1 whatever ``position_ids`` says. The runtime picks this graph
+    for those calls and ``proto`` for the others (graphs.runtime). Hand-written: no library rewrite
+    targets GroupQueryAttention from ONNX Attention. None when ``proto`` is not that compact form."""
+    g = proto.graph
+    producer = {o: n for n in g.node for o in n.output}
+    consumers: dict[str, list] = {}
+    for n in g.node:
+        for x in n.input:
+            consumers.setdefault(x, []).append(n)
+    inits = {t.name for t in g.initializer}
+
+    def only(name, kind):
+        n = producer.get(name)
+        if n is None or n.op_type != kind:
+            raise _NoMatchError(f"{name}: not {kind}")
+        return n
+
+    def attrs(n):
+        return {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+
+    try:
+        attentions = [n for n in g.node if n.op_type == "Attention"]
+        if len(attentions) != num_layers:
+            raise _NoMatchError("not one Attention per layer")
+        drop, body, tables, bias = set(), [], None, None
+        for att in attentions:
+            q, pk, pv, mask = att.input
+            if set(attrs(att)) - {"scale"}:
+                raise _NoMatchError("attention attributes")
+            rq = only(q, "RotaryEmbedding")
+            sk, sv = only(pk, "TensorScatter"), only(pv, "TensorScatter")
+            rk = only(sk.input[1], "RotaryEmbedding")
+            if producer.get(rq.input[0]) is not None and producer[rq.input[0]].op_type == "Split":
+                split = only(rq.input[0], "Split")  # the fused QKV: GQA takes it packed
+                if list(split.output) != [rq.input[0], rk.input[0], sv.input[1]]:
+                    raise _NoMatchError("q, k, v not one split")
+                tr = only(split.input[0], "Transpose")
+                rs = only(tr.input[0], "Reshape")
+                qkv, plumbing = [rs.input[0], "", ""], [split, tr, rs]
+            else:  # each its own Reshape + Transpose (biased projections)
+                heads = [only(x, "Transpose") for x in (rq.input[0], rk.input[0], sv.input[1])]
+                reshapes = [only(t.input[0], "Reshape") for t in heads]
+                qkv, plumbing = [r.input[0] for r in reshapes], heads + reshapes
+            if attrs(rq) or attrs(rk) or rq.input[1:] != rk.input[1:]:
+                raise _NoMatchError("rotary")
+            cos, sin = (only(x, "Gather") for x in rq.input[1:])
+            if cos.input[1] != C.POSITION_IDS or cos.input[0] not in inits or sin.input[0] not in inits:
+                raise _NoMatchError("cos/sin not tables")
+            tables = (cos.input[0], sin.input[0])
+            if bias not in (None, mask):
+                raise _NoMatchError("layers with different masks")
+            bias = mask
+            t_out = consumers.get(att.output[0], [])
+            if len(t_out) != 1 or t_out[0].op_type != "Transpose":
+                raise _NoMatchError("attention output")
+            r_out = consumers.get(t_out[0].output[0], [])
+            if len(r_out) != 1 or r_out[0].op_type != "Reshape":
+                raise _NoMatchError("attention output")
+            layer = sk.output[0][len("present."):].split(".")[0]
+            scale = attrs(att).get("scale")
+            body.append(onnx.helper.make_node(
+                "GroupQueryAttention",
+                [*qkv, sk.input[0], sv.input[0], "gqa/seqlens_k", "gqa/total_sequence_length",
+                 tables[0], tables[1], C.POSITION_IDS, bias],
+                [r_out[0].output[0], sk.output[0], sv.output[0]], domain="com.microsoft",
+                name=f"gqa.{layer}", do_rotary=1, num_heads=nq, kv_num_heads=nkv,
+                **({"scale": scale} if scale else {})))
+            drop.update(id(n) for n in (att, rq, rk, sk, sv, *plumbing, t_out[0], r_out[0]))
+    except _NoMatchError:
+        return None
+    # per row: the last column its call writes (GQA's seqlens_k), and the buffer's width
+    one = onnx.helper.make_tensor("gqa/one", TensorProto.INT64, [1], [1])
+    s_axis = onnx.helper.make_tensor("gqa/axis1", TensorProto.INT64, [1], [1])
+    p_axis = onnx.helper.make_tensor("gqa/axis3", TensorProto.INT64, [1], [3])
+    head = [
+        onnx.helper.make_node("Constant", [], ["gqa/one"], value=one),
+        onnx.helper.make_node("Constant", [], ["gqa/axis1"], value=s_axis),
+        onnx.helper.make_node("Constant", [], ["gqa/axis3"], value=p_axis),
+        onnx.helper.make_node("Shape", [C.INPUT_IDS], ["gqa/ids_shape"]),
+        onnx.helper.make_node("Gather", ["gqa/ids_shape", "gqa/axis1"], ["gqa/width"], axis=0),
+        onnx.helper.make_node("Sub", ["gqa/width", "gqa/one"], ["gqa/width_1"]),
+        onnx.helper.make_node("Add", [C.KV_WRITE, "gqa/width_1"], ["gqa/last"]),
+        onnx.helper.make_node("Cast", ["gqa/last"], ["gqa/seqlens_k"], to=TensorProto.INT32),
+        onnx.helper.make_node("Shape", [C.ATTENTION_MASK], ["gqa/mask_shape"]),
+        onnx.helper.make_node("Gather", ["gqa/mask_shape", "gqa/axis3"], ["gqa/columns"], axis=0),
+        onnx.helper.make_node("Squeeze", ["gqa/columns"], ["gqa/columns0"]),
+        onnx.helper.make_node("Cast", ["gqa/columns0"], ["gqa/total_sequence_length"], to=TensorProto.INT32),
+    ]
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    kept = [n for n in g.node if id(n) not in drop]
+    del out.graph.node[:]
+    out.graph.node.extend(head + kept + body)
+    if not any(o.domain == "com.microsoft" for o in out.opset_import):
+        out.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    del out.graph.value_info[:]
+    _topological(out.graph, strict=False)
+    _remove_dead(out.graph)
+    _topological(out.graph)
+    return out

@@ -22,24 +22,33 @@ class Case:
     batch: int
     seq: int
     past: int
+    chain: bool = False  # the new rows a causal chain (a prefill), not a random tree
+    holes_all: bool = False  # every sequence's past has holes (else sequence 0's is full)
 
 
 CASES = (Case("tree_b2_past7_holes", 2, 6, 7), Case("decode_b1_past5", 1, 1, 5), Case("prefill_b1", 1, 5, 0))
+# the calls the one-sequence graph takes (exporter.passes.kv_inplace.group_query_graph): one sequence
+# (a tree after a past with holes, a causal prefill), or one token per row of a batch with holes
+ONE_SEQUENCE_CASES = (Case("tree_b1_past7_holes", 1, 6, 7, holes_all=True),
+                      Case("decode_b3_past9_holes", 3, 1, 9, holes_all=True),
+                      Case("prefill_b1_causal", 1, 5, 0, chain=True))
 
 
-def random_tree_mask(rng, batch: int, seq: int, past: int) -> np.ndarray:
+def random_tree_mask(rng, batch: int, seq: int, past: int, chain: bool = False, holes_all: bool = False
+                     ) -> np.ndarray:
     """bool (B, 1, S, P+S): a random tree over the new rows (each row sees itself and its
-    ancestors only) and a past with random holes per sequence."""
+    ancestors only; ``chain``: a causal chain) and a past with random holes per sequence (but the
+    first, unless ``holes_all``)."""
     mask = np.zeros((batch, 1, seq, past + seq), dtype=bool)
     for b in range(batch):
-        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, seq)]
+        parents = [i - 1 for i in range(seq)] if chain else [-1] + [int(rng.integers(0, i)) for i in range(1, seq)]
         for i in range(seq):
             j = i
             while j >= 0:  # ancestors-or-self
                 mask[b, 0, i, past + j] = True
                 j = parents[j]
         if past:
-            seen = rng.random(past) > (0.3 if b else 0.0)  # sequence 0: full past; others: holes
+            seen = rng.random(past) > (0.3 if b or holes_all else 0.0)  # sequence 0: full past; others: holes
             mask[b, 0, :, :past] = seen
     return mask
 
@@ -54,7 +63,7 @@ def random_feed(spec: C.GraphSpec, case: Case, seed: int = 0, vocab: int = 2) ->
     sizes = {C.BATCH: case.batch, C.SEQ: case.seq, C.PAST: case.past + (case.seq if in_place else 0),
              C.TOTAL: case.past + case.seq, C.AUX_SEQ: aux_seq if has_aux_in else 0,
              C.DRAFT_SEQ: draft_seq if has_aux_in else 0}
-    mask = random_tree_mask(rng, case.batch, case.seq, case.past)
+    mask = random_tree_mask(rng, case.batch, case.seq, case.past, case.chain, case.holes_all)
     feed = {}
     for t in spec.inputs:
         shape = [sizes[d] if isinstance(d, str) else d for d in t.dims]
@@ -117,7 +126,7 @@ def rewritten_feed(feed: dict, new_spec: C.GraphSpec):
 
 
 def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, atol: float, rtol: float,
-                 vocab: int, strict: bool = True, threads: int = 1) -> list[ParityRow]:
+                 vocab: int, strict: bool = True, threads: int = 1, cases=CASES) -> list[ParityRow]:
     """Run ``raw`` (float32, the exported trace) and ``new`` on every case; one row per output.
 
     ``strict=False`` (quantized graphs, a different model): only finiteness fails a row; the
@@ -125,7 +134,7 @@ def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec,
     scores may come out in either order).
     """
     rows = []
-    for case, want, got in _paired_runs(raw, new, spec, new_spec, CASES, random_feed, vocab, threads):
+    for case, want, got in _paired_runs(raw, new, spec, new_spec, cases, random_feed, vocab, threads):
         for t in spec.outputs:
             w, g = want[t.name], got[t.name]
             w64, g64 = w.astype(np.float64), g.astype(np.float64)
@@ -155,6 +164,26 @@ def row_consistency(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, 
     are 0 (or below every top-2 margin); when only "single" is large (MLAS's separate M == 1 int8
     kernel), calling one token as two rows (a padding row) makes every call use the many-row kernels.
     """
+    logits = row_logits(path, spec, vocab, sizes, past, threads, seed, kv_dims, provider)
+    ref = logits[max(sizes)]
+    diff = {m: float(np.abs(logits[m] - ref[:m]).max()) for m in sizes}
+    return {"single": diff.get(1, 0.0), "multi": max([v for m, v in diff.items() if m > 1] or [0.0]),
+            "sizes": list(sizes)}
+
+
+def rows_between(a: Path, b: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, seed: int = 7,
+                 kv_dims: tuple[int, int] | None = None, threads: int = 1) -> dict[int, float]:
+    """Two graphs of one contract (the base and its one-sequence graph) on the calls of
+    :func:`row_consistency`: M -> max |logits diff| of the M-row call, so a token's logits are the
+    same whichever of the two graphs the runtime calls it with."""
+    la = row_logits(a, spec, vocab, sizes, seed=seed, kv_dims=kv_dims, threads=threads)
+    lb = row_logits(b, spec, vocab, sizes, seed=seed, kv_dims=kv_dims, threads=threads)
+    return {m: float(np.abs(la[m] - lb[m]).max()) for m in sizes}
+
+
+def row_logits(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past: int = 20, threads: int = 1,
+               seed: int = 7, kv_dims: tuple[int, int] | None = None, provider: str = "cpu") -> dict:
+    """M -> the (M, vocab) float64 logits of the first M tokens of one chain after a past (batch 1)."""
     from graphs.sessions import make_session
 
     s = make_session(path, provider, threads)
@@ -182,10 +211,7 @@ def row_consistency(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, 
     for m in sizes:
         mask = np.concatenate([np.ones((m, past), bool), np.tril(np.ones((m, m), bool))], axis=1)
         logits[m], _ = run(ids[past : past + m], past + np.arange(m), mask, pasts)
-    ref = logits[t]
-    diff = {m: float(np.abs(logits[m] - ref[:m]).max()) for m in sizes}
-    return {"single": diff.get(1, 0.0), "multi": max([v for m, v in diff.items() if m > 1] or [0.0]),
-            "sizes": list(sizes)}
+    return logits
 
 
 # ----------------------------------------------------------------------------- one-call EAGLE tree graphs
