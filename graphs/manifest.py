@@ -54,6 +54,14 @@ class Manifest:
     optimization: dict[str, dict] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
+    @property
+    def one_sequence_file(self) -> str | None:
+        """The base's one-sequence graph (``exporter.optimize``: the base's contract, each layer's
+        attention one GroupQueryAttention) that the runtime runs for one-token calls and one
+        sequence's calls; None where the export has none."""
+        one = (self.optimization.get("base") or {}).get("one_sequence")
+        return one.get("file") if isinstance(one, dict) else None
+
     def to_json(self) -> dict:
         return {
             "format_version": self.format_version,

@@ -140,10 +140,10 @@ class Decoder:
         # the base's one-sequence graph (exporter.optimize, CPU): the same contract and buffers, each
         # layer's attention one GroupQueryAttention, which reads each row's own length; run for the
         # calls its CPU kernel takes (one token per row, or one sequence), the base for batched trees
-        one = (m.optimization.get("base") or {}).get("one_sequence")
+        one = m.one_sequence_file
         self._one_sequence = None
         if one and self._in_place is not None and self.provider == "cpu":
-            sess = load_graph(make_session, self.out_dir / one["file"], self.provider, threads, optimization,
+            sess = load_graph(make_session, self.out_dir / one, self.provider, threads, optimization,
                               device_id, session_options, provider_options)
             check_session(self.base_spec, sess, "base")
             self._one_sequence = InPlaceRun(sess, self.base_spec)

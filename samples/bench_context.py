@@ -33,7 +33,9 @@ class Ours:
         self.vocab = self.dec.manifest.source["vocab_size"]
 
     def nodes(self) -> int | None:
-        return count_nodes(self.dec.out_dir / self.dec.base_spec.file)
+        """Of the graph a step runs: the one-sequence graph where the export has one."""
+        m = self.dec.manifest
+        return count_nodes(self.dec.out_dir / (m.one_sequence_file or self.dec.base_spec.file))
 
     def prepare(self, batch: int, past: int, rng) -> None:
         from graphs.slots import SlotCache

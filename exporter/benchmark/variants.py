@@ -42,6 +42,9 @@ VARIANTS: dict[str, dict] = {
     "fused-concat": {"quantize": "none", "kv_in_place": False},
     # the compact 3-D K/V layout (genai's; fewer nodes, the slower attention per cached token)
     "fused-bsh": {"quantize": "none", "kv_layout": "bsh"},
+    # the in-place base alone (no one-sequence GroupQueryAttention graph): every call ONNX Attention
+    "fused-attention": {"quantize": "none", "one_sequence_graph": False},
+    "int4-attention": {"quantize": "int4", "one_sequence_graph": False},
 }
 TREE_TOKENS = (1, 8, 16, 32)
 
@@ -65,7 +68,8 @@ def verify_latency(dirs: dict[str, Path], tree_tokens=TREE_TOKENS, past: int = 2
     for name, d in dirs.items():
         m = Manifest.read(d, verify=False)
         spec = m.graphs["base"]
-        calls[name] = InPlaceRun.caller(make_session(d / spec.file, "cpu", threads), spec)  # as the runtime calls it
+        file = m.one_sequence_file or spec.file  # batch 1: the graph the runtime calls
+        calls[name] = InPlaceRun.caller(make_session(d / file, "cpu", threads), spec)  # as the runtime calls it
         feeds[name] = {t: random_feed(spec, Case("t", 1, t, past), seed=t, vocab=m.source["vocab_size"])
                        for t in tree_tokens}
     times: dict[str, dict[int, list[float]]] = {n: {t: [] for t in tree_tokens} for n in dirs}

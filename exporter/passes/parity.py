@@ -164,21 +164,16 @@ def row_consistency(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, 
     are 0 (or below every top-2 margin); when only "single" is large (MLAS's separate M == 1 int8
     kernel), calling one token as two rows (a padding row) makes every call use the many-row kernels.
     """
-    logits = row_logits(path, spec, vocab, sizes, past, threads, seed, kv_dims, provider)
-    ref = logits[max(sizes)]
+    return consistency(row_logits(path, spec, vocab, sizes, past, threads, seed, kv_dims, provider))
+
+
+def consistency(logits: dict) -> dict:
+    """:func:`row_consistency`'s record from :func:`row_logits`' output."""
+    sizes = sorted(logits)
+    ref = logits[sizes[-1]]
     diff = {m: float(np.abs(logits[m] - ref[:m]).max()) for m in sizes}
     return {"single": diff.get(1, 0.0), "multi": max([v for m, v in diff.items() if m > 1] or [0.0]),
             "sizes": list(sizes)}
-
-
-def rows_between(a: Path, b: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, seed: int = 7,
-                 kv_dims: tuple[int, int] | None = None, threads: int = 1) -> dict[int, float]:
-    """Two graphs of one contract (the base and its one-sequence graph) on the calls of
-    :func:`row_consistency`: M -> max |logits diff| of the M-row call, so a token's logits are the
-    same whichever of the two graphs the runtime calls it with."""
-    la = row_logits(a, spec, vocab, sizes, seed=seed, kv_dims=kv_dims, threads=threads)
-    lb = row_logits(b, spec, vocab, sizes, seed=seed, kv_dims=kv_dims, threads=threads)
-    return {m: float(np.abs(la[m] - lb[m]).max()) for m in sizes}
 
 
 def row_logits(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past: int = 20, threads: int = 1,
