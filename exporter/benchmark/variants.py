@@ -44,7 +44,6 @@ VARIANTS: dict[str, dict] = {
     "fused-bsh": {"quantize": "none", "kv_layout": "bsh"},
     # the in-place base alone (no one-sequence GroupQueryAttention graph): every call ONNX Attention
     "fused-attention": {"quantize": "none", "one_sequence_graph": False},
-    "int4-attention": {"quantize": "int4", "one_sequence_graph": False},
 }
 TREE_TOKENS = (1, 8, 16, 32)
 
