@@ -301,7 +301,8 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
             if "rows" in validation:  # what the runtime must do for rows to agree (graphs.runtime reads it)
                 records["base"]["min_rows"] = validation["rows"]["min_rows"]
                 records["base"]["rows_max_abs"] = max(validation["rows"]["single_max_abs"],
-                                                      validation["rows"]["multi_max_abs"])
+                                                      validation["rows"]["multi_max_abs"],
+                                                      validation["rows"]["tree_max_abs"])
             if options.validate:
                 one = O.check_one_sequence(out_dir, tmp, manifest, specs, records, options, log)
                 if one is not None:

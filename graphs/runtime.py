@@ -46,7 +46,14 @@ from graphs.manifest import Manifest
 from graphs.params import GenerationParams, Resolved, check_prompt
 from graphs.results import GenerationResult, Sampler, Stats, StreamEvent
 from graphs.schema import check_session, load_graph
-from graphs.sessions import InPlaceRun, make_session, resolve_provider, warn_if_other_target, warn_if_tree_stale
+from graphs.sessions import (
+    InPlaceRun,
+    LazySession,
+    make_session,
+    resolve_provider,
+    warn_if_other_target,
+    warn_if_tree_stale,
+)
 from graphs.slots import attention_mask
 from graphs.trees import DEFAULT_EAGLE_TREE, Tree, default_medusa_paths, load_tree_file, medusa_tree
 
@@ -92,7 +99,9 @@ class Decoder:
 
         self.base_spec = m.graphs["base"]
         self.draft_spec = m.graphs.get("draft")
-        self.base = session("base")
+        # with a one-sequence graph (below) the base runs only batches of trees: made when one comes
+        one_sequence = bool(m.one_sequence_file) and C.kv_in_place(self.base_spec) and self.provider == "cpu"
+        self.base = LazySession(lambda: session("base")) if one_sequence else session("base")
         self.draft = session("draft")
         # one-call EAGLE trees (graphs.eagle_draft): a session per baked (topk, depth, total_tokens)
         if eagle_draft not in DRAFT_MODES:
@@ -140,10 +149,9 @@ class Decoder:
         # the base's one-sequence graph (exporter.optimize, CPU): the same contract and buffers, each
         # layer's attention one GroupQueryAttention, which reads each row's own length; run for the
         # calls its CPU kernel takes (one token per row, or one sequence), the base for batched trees
-        one = m.one_sequence_file
         self._one_sequence = None
-        if one and self._in_place is not None and self.provider == "cpu":
-            sess = load_graph(make_session, self.out_dir / one, self.provider, threads, optimization,
+        if one_sequence:
+            sess = load_graph(make_session, self.out_dir / m.one_sequence_file, self.provider, threads, optimization,
                               device_id, session_options, provider_options)
             check_session(self.base_spec, sess, "base")
             self._one_sequence = InPlaceRun(sess, self.base_spec)

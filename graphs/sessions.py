@@ -306,6 +306,33 @@ def _cpu_device():
         return None
 
 
+class LazySession:
+    """A session made on first use (then shared; creation under a lock): the base graph of an export
+    whose one-sequence graph runs every call of one sequence, so a decoder that never verifies a
+    batch of trees never holds the base's weights twice. Everything else is the session's."""
+
+    __slots__ = ("_lock", "_make", "_session")
+
+    def __init__(self, make):
+        import threading
+
+        self._make, self._session, self._lock = make, None, threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._session is not None
+
+    def get(self):
+        if self._session is None:
+            with self._lock:
+                if self._session is None:
+                    self._session = self._make()
+        return self._session
+
+    def __getattr__(self, name):
+        return getattr(self.get(), name)
+
+
 class InPlaceRun:
     """Calls of a graph that writes its K/V into the caller's buffers (``graphs.contract.kv_in_place``).
 

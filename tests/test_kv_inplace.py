@@ -346,6 +346,11 @@ def test_the_runtime_runs_the_one_sequence_graph_where_its_kernel_can_and_the_ba
     from graphs.engine import EngineConfig
 
     dec = graphs.load(pair[0], provider="cpu", threads=1, adaptive=False)
+    # one sequence at a time never needs the base: its session (its weights) is made when a batch of
+    # trees first comes
+    one = dec.generate([5, 9, 3], max_new_tokens=12, mode="speculative")
+    assert not dec.base.loaded
+    assert one.token_ids == dec.generate([5, 9, 3], max_new_tokens=12, mode="autoregressive").token_ids
     calls = []
     for name, run in (("one", dec._one_sequence), ("base", dec._in_place)):
         inner = run.run_on
@@ -367,7 +372,7 @@ def test_the_runtime_runs_the_one_sequence_graph_where_its_kernel_can_and_the_ba
             break
     assert all(b == 1 or s == 1 for g, b, s in calls if g == "one"), calls
     assert all(b > 1 and s > 1 for g, b, s in calls if g == "base"), calls
-    assert {g for g, _, _ in calls} == {"one", "base"}
+    assert {g for g, _, _ in calls} == {"one", "base"} and dec.base.loaded
     assert any(g == "one" and b == 1 and s > 1 for g, b, s in calls)  # a tree (or a prefill) of one sequence
     ar = dec.generate(prompts, max_new_tokens=14, mode="autoregressive")
     assert [t[:14] for t in got.values()] == [r.token_ids for r in ar]

@@ -141,7 +141,8 @@ def test_quantized_speculative_equals_autoregressive(optimized, kind, quantize):
     rows = m.validation["optimize"]["rows"]  # the measured bound, recorded with what it implies
     # int8 activations (level 4): one attention kernel for every call, no one-sequence graph
     assert "one_sequence" not in m.optimization["base"] and not (out / "base.gqa.onnx").exists()
-    assert m.optimization["base"]["rows_max_abs"] == max(rows["single_max_abs"], rows["multi_max_abs"])
+    assert m.optimization["base"]["rows_max_abs"] == max(rows["single_max_abs"], rows["multi_max_abs"],
+                                                         rows["tree_max_abs"])
     assert rows["multi_max_abs"] <= rows["limit"] and m.optimization["base"]["min_rows"] == (
         2 if rows["single_max_abs"] > rows["limit"] else 1)
     dec = graphs.load(out, provider="cpu", threads=1)

@@ -160,7 +160,8 @@ def row_consistency(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, 
     first M tokens for every M in ``sizes``; row j of the M-call against row j of the largest call.
 
     Returns ``{"single": max over rows of the 1-row call, "multi": max over calls of 2+ rows,
-    "sizes": sizes}``. Greedy speculative decoding equals greedy autoregressive decoding when both
+    "tree": the chain's tokens as one path of a tree (their ancestors at other columns) against the
+    chain call, "sizes": sizes}``. Greedy speculative decoding equals greedy autoregressive decoding when both
     are 0 (or below every top-2 margin); when only "single" is large (MLAS's separate M == 1 int8
     kernel), calling one token as two rows (a padding row) makes every call use the many-row kernels.
     """
@@ -169,16 +170,18 @@ def row_consistency(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, 
 
 def consistency(logits: dict) -> dict:
     """:func:`row_consistency`'s record from :func:`row_logits`' output."""
-    sizes = sorted(logits)
+    sizes = sorted(m for m in logits if m != "tree")
     ref = logits[sizes[-1]]
     diff = {m: float(np.abs(logits[m] - ref[:m]).max()) for m in sizes}
+    tree = float(np.abs(logits["tree"] - ref).max()) if "tree" in logits else 0.0
     return {"single": diff.get(1, 0.0), "multi": max([v for m, v in diff.items() if m > 1] or [0.0]),
-            "sizes": list(sizes)}
+            "tree": tree, "sizes": list(sizes)}
 
 
 def row_logits(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past: int = 20, threads: int = 1,
                seed: int = 7, kv_dims: tuple[int, int] | None = None, provider: str = "cpu") -> dict:
-    """M -> the (M, vocab) float64 logits of the first M tokens of one chain after a past (batch 1)."""
+    """M -> the (M, vocab) float64 logits of the first M tokens of one chain after a past (batch 1);
+    "tree" -> the logits of the whole chain's tokens called as one path of a tree with side branches."""
     from graphs.sessions import make_session
 
     s = make_session(path, provider, threads)
@@ -206,6 +209,26 @@ def row_logits(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past:
     for m in sizes:
         mask = np.concatenate([np.ones((m, past), bool), np.tril(np.ones((m, m), bool))], axis=1)
         logits[m], _ = run(ids[past : past + m], past + np.arange(m), mask, pasts)
+    # the same chain as one path of a tree, a sibling branch after every other node: each chain token
+    # sees the same tokens at other columns (its ancestors scattered, as in a verified tree)
+    parents, tokens, on_chain = [], [], []
+    for k in range(t):
+        parents.append(on_chain[-1] if on_chain else -1)
+        tokens.append(ids[past + k])
+        on_chain.append(len(parents) - 1)
+        if k % 2:
+            parents.append(int(rng.integers(0, len(parents))))
+            tokens.append(int(rng.integers(0, vocab)))
+    n = len(parents)
+    tree = np.zeros((n, n), bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            tree[i, j] = True
+            j = parents[j]
+    mask = np.concatenate([np.ones((n, past), bool), tree], axis=1)
+    out, _ = run(np.array(tokens, dtype=np.int64), past + tree.sum(-1) - 1, mask, pasts)
+    logits["tree"] = out[on_chain]
     return logits
 
 
