@@ -232,6 +232,9 @@ def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=p
             # kernel for every call keeps greedy speculative == autoregressive there.
             log("  [base] one-seq   not written: int8 activations (accuracy level 4) would make a token's "
                 "logits depend on which graph computed them; every call runs the base", flush=True)
+        elif dims.get("head_dim", 0) % 16:
+            log(f"  [base] one-seq   not written: GroupQueryAttention's CPU kernel needs head_dim a multiple of 16 "
+                f"(this model: {dims.get('head_dim')}); every call runs the base", flush=True)
         else:
             one = write_one_sequence_graph(dst, layers, dims.get("num_attention_heads", 0),
                                            dims.get("num_kv_heads", 0), log)
@@ -264,17 +267,19 @@ def write_one_sequence_graph(dst: Path, layers: int, q_heads: int, kv_heads: int
 
     t0 = time.perf_counter()
     proto = graphio.load_graph(dst)
-    one = group_query_graph(proto, layers, q_heads, kv_heads)
-    if one is None:
+    made = group_query_graph(proto, layers, q_heads, kv_heads)
+    if made is None:
         log("  [base] one-seq   not written: the base's layers are not the compact fused form", flush=True)
         return None
+    one, columns = made
     path = dst.with_name(dst.name[: -len(".onnx")] + ONE_SEQUENCE_SUFFIX)
     onnx.save_model(one, str(path))
     n0, n1 = len(proto.graph.node), len(one.graph.node)
     log(f"  [base] one-seq   {layers} attention blocks -> GroupQueryAttention ({path.name}){'':14} nodes {n0:5d} -> "
         f"{n1:5d}  ({time.perf_counter() - t0:.1f} s)", flush=True)
     return {"file": path.name, "op": "GroupQueryAttention", "nodes": n1,
-            "calls": "one token per row, or one sequence (batch 1)"}
+            "calls": "one token per row, or one sequence (batch 1)",
+            "max_columns": columns}  # a wider call (write column + new rows) runs the base
 
 
 def _attention_candidates(proto) -> int:
@@ -445,9 +450,9 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
         # the rows check's calls (one chain after a past, its first M tokens) on both graphs
         mine = row_logits(path, specs["base"], source["vocab_size"], kv_dims=dims)
         theirs = row_logits(tmp / specs["base"].file, specs["base"], source["vocab_size"], kv_dims=dims)
-    except Exception as e:  # a kernel this onnxruntime lacks: the base alone
-        return _drop_one_sequence(path, base, f"it does not run on this onnxruntime ({str(e).splitlines()[0][:160]})",
-                                  log)
+    except Exception as e:  # a kernel this onnxruntime lacks, or one that refuses this model's shapes
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return _drop_one_sequence(path, base, f"ONNX Runtime cannot run it here: {detail}", log)
     worst = max(r.max_abs for r in rows if r.output == C.LOGITS)
     bad = [r for r in rows if not r.ok]
     if bad:

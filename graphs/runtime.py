@@ -155,6 +155,9 @@ class Decoder:
                               device_id, session_options, provider_options)
             check_session(self.base_spec, sess, "base")
             self._one_sequence = InPlaceRun(sess, self.base_spec)
+            # its rotary tables' length: a call reaching past it (a tree at the very end of the
+            # context) runs the base
+            self._one_sequence_columns = int(m.optimization["base"]["one_sequence"].get("max_columns", 0))
         # optimize's rows check: where a one-row call rounds otherwise than calls of more rows (MLAS's
         # M == 1 int8 kernel), every one-token call runs as two rows, so all calls share kernels
         self.min_rows = int((m.optimization.get("base") or {}).get("min_rows", 1))
@@ -162,6 +165,13 @@ class Decoder:
 
 
     # ------------------------------------------------------------------ public API
+
+    def load_sessions(self) -> None:
+        """Make every session now: the base's is otherwise made when a batch of trees first comes
+        (exports with a one-sequence graph), a pause in the middle of serving and a load error late.
+        The server calls it at start when it may batch."""
+        if isinstance(self.base, LazySession):
+            self.base.get()
 
     def engine(self, config: EngineConfig | None = None) -> Engine:
         """A serving engine on this decoder's sessions (:mod:`graphs.engine`): requests join and leave
@@ -219,7 +229,7 @@ class Decoder:
         """One base forward over S new positions per row: ids, positions (B, S), tree_mask (B, S, S)
         bool, against the columns ``kv`` holds (a :class:`graphs.slots.SlotCache`, its ``rows``, or a
         :class:`graphs.kv.KVCache`). Returns every output by name (``present.*``: K/V of the S)."""
-        if ids.size < self.min_rows:  # a padding row that sees only itself; its outputs are dropped
+        if ids.shape[1] < self.min_rows:  # a padding row that sees only itself; its outputs are dropped
             return self._padded_forward(kv, ids, pos, tree_mask, rows)
         return self._forward(kv, ids, pos, tree_mask, rows)
 
@@ -263,6 +273,8 @@ class Decoder:
         if one is None:
             return self._in_place
         bsz, s = ids.shape
+        if int(starts.max(initial=0)) + s > self._one_sequence_columns:
+            return self._in_place
         if s == 1 or (bsz == 1 and (starts[0] > 0 or (np.array_equal(pos[0], np.arange(s))
                                                        and np.array_equal(tree_mask[0], np.tri(s, dtype=bool))))):
             return one

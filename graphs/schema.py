@@ -168,6 +168,16 @@ def check_manifest(d) -> None:
             _fail("tokenizer", f"{tok!r} is not listed in files (its sha256 is unknown)")
     for key in ("versions", "validation", "optimization"):
         _dict(d, key, required=False, none_ok=True)
+    base_opt = (d.get("optimization") or {}).get("base")
+    one = base_opt.get("one_sequence") if isinstance(base_opt, dict) else None
+    if one is not None:  # the base's one-sequence graph: a file of the export, like the graphs
+        if not isinstance(one, dict) or not isinstance(one.get("file"), str):
+            _fail("optimization.base.one_sequence", "must be {\"file\": a graph file of the export, ...}")
+        check_path(one["file"], "optimization.base.one_sequence.file")
+        _int(one, "max_columns", "optimization.base.one_sequence", required=False, lo=1)
+        if one["file"] not in files:
+            _fail("optimization.base.one_sequence.file", f"{one['file']!r} is not listed in files (its sha256 is "
+                                                          f"unknown)")
     if not isinstance(d.get("opset", 17), int):
         _fail("opset", "must be an integer")
 

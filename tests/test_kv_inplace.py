@@ -295,7 +295,8 @@ def test_the_one_sequence_graph_computes_what_the_base_computes_for_the_calls_it
     """base.gqa.onnx (exporter.passes.kv_inplace.group_query_graph) against the in-place base on the
     same buffers, garbage in every column a row may not see: one token per row of a batch whose rows
     have different lengths, one sequence's non-causal tree after a past with holes, a causal
-    prefill. Same logits and hidden states, the same rows written at the same columns, nothing else
+    prefill; also with buffers wider than the model's positions (the cache's headroom), near the end
+    of the context. Same logits and hidden states, the same rows written at the same columns, nothing else
     in the buffers changed."""
     ip = pair[0]
     m = Manifest.read(ip)
@@ -308,9 +309,10 @@ def test_the_one_sequence_graph_computes_what_the_base_computes_for_the_calls_it
     runs = {f: InPlaceRun(make_session(ip / f, "cpu", 1), spec) for f in ("base.onnx", one["file"])}
     names = [n for i in range(layers) for n in (C.past_key(i), C.past_value(i))]
     rng = np.random.default_rng(seed)
-    cap = 24
-    for lens, s, tree in (([5, 9, 2], 1, None), ([7], 5, _tree(rng, 5)), ([0], 5, np.tri(5, dtype=bool)),
-                          ([11], 1, None)):
+    wide = m.source["max_position_embeddings"] + 40  # a buffer wider than the rotary tables (cache headroom)
+    for lens, s, tree, cap in (([5, 9, 2], 1, None, 24), ([7], 5, _tree(rng, 5), 24),
+                               ([0], 5, np.tri(5, dtype=bool), 24), ([11], 1, None, 24),
+                               ([500, 3], 1, None, wide), ([490], 5, _tree(rng, 5), wide)):
         lens = np.array(lens)
         bsz = len(lens)
         tree = np.ones((1, 1), bool) if tree is None else tree
@@ -376,9 +378,28 @@ def test_the_runtime_runs_the_one_sequence_graph_where_its_kernel_can_and_the_ba
     assert any(g == "one" and b == 1 and s > 1 for g, b, s in calls)  # a tree (or a prefill) of one sequence
     ar = dec.generate(prompts, max_new_tokens=14, mode="autoregressive")
     assert [t[:14] for t in got.values()] == [r.token_ids for r in ar]
+    eager = graphs.load(pair[0], provider="cpu", threads=1)
+    eager.load_sessions()  # what the server does at start when it may batch
+    assert eager.base.loaded
     for out in pair[1:]:
         assert "one_sequence" not in Manifest.read(out).optimization["base"]
         assert graphs.load(out, provider="cpu", threads=1)._one_sequence is None
+
+
+def test_decoding_runs_to_the_end_of_the_context(pair):
+    """Near max_position_embeddings a tree's columns pass the model's positions (its nodes are wider
+    than deep): the one-sequence graph takes calls up to its recorded width and the base the rest;
+    speculative == autoregressive up to the last position."""
+    import graphs
+
+    dec = graphs.load(pair[0], provider="cpu", threads=1, adaptive=False)
+    limit = dec.max_positions
+    assert dec.manifest.optimization["base"]["one_sequence"]["max_columns"] > limit
+    prompt = [int(x) for x in np.random.default_rng(3).integers(3, 200, limit - 30)]
+    ar = dec.generate(prompt, max_new_tokens=29, mode="autoregressive")
+    sp = dec.generate(prompt, max_new_tokens=29, mode="speculative")
+    assert sp.token_ids == ar.token_ids and ar.finish_reason == sp.finish_reason
+    assert ar.finish_reason == "eos" or len(prompt) + len(ar.token_ids) >= limit - 1, ar.finish_reason
 
 
 def test_a_one_sequence_graph_that_fails_the_gate_is_dropped_and_the_base_kept(exported, tmp_path, monkeypatch):
@@ -390,13 +411,13 @@ def test_a_one_sequence_graph_that_fails_the_gate_is_dropped_and_the_base_kept(e
     real = kv_inplace.group_query_graph
 
     def wrong(*args):
-        proto = real(*args)
+        proto, columns = real(*args)
         for n in proto.graph.node:
             if n.op_type == "GroupQueryAttention":
                 kept = [a for a in n.attribute if a.name != "scale"]
                 del n.attribute[:]
                 n.attribute.extend([*kept, onnx.helper.make_attribute("scale", 0.05)])
-        return proto
+        return proto, columns
 
     monkeypatch.setattr(kv_inplace, "group_query_graph", wrong)
     out = tmp_path / "out"

@@ -202,6 +202,13 @@ SCHEMA_CASES = [
     ("tokenizer_outside", _set("tokenizer", "../tokenizer.json"), "not a plain relative path"),
     ("bad_digest", _set("files.base.onnx", "abc"), "is not a sha256 hex digest"),
     ("bad_dims", _set("graphs.base.inputs", [{"name": "input_ids", "dtype": "int64", "dims": [-1]}]), "bad dims"),
+    # the base's one-sequence graph is a file of the export like the graphs: inside it, and hashed
+    ("one_sequence_outside", _set("optimization", {"base": {"one_sequence": {"file": "../outside/evil.onnx"}}}),
+     r"one_sequence\.file names '\.\./outside/evil\.onnx', which is not a plain relative path"),
+    ("one_sequence_unlisted", _set("optimization", {"base": {"one_sequence": {"file": "base.gqa.onnx"}}}),
+     "'base.gqa.onnx' is not listed in files"),
+    ("one_sequence_not_a_record", _set("optimization", {"base": {"one_sequence": 3}}),
+     r"optimization\.base\.one_sequence must be"),
 ]
 
 

@@ -433,9 +433,14 @@ def _topological(g, strict: bool = True) -> None:
 # ----------------------------------------------------------------------------- one sequence: GroupQueryAttention
 
 ONE_SEQUENCE_SUFFIX = ".gqa.onnx"  # base.onnx -> base.gqa.onnx, beside it
+# rows of zeros past the cos/sin tables: the kernel wants its tables as long as the call's columns,
+# which pass max_position_embeddings by up to a tree's width near the end of the context (positions
+# never do, so the rows are never read); the runtime sends wider calls to the base
+TABLE_MARGIN = 256
 
 
-def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int) -> onnx.ModelProto | None:
+def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
+                      ) -> tuple[onnx.ModelProto, int] | None:
     """The compact ``bhsd`` graph (:func:`_compact`, with its fused QKV and its cos/sin tables) with
     each layer's attention block as one ``com.microsoft.GroupQueryAttention``::
 
@@ -460,7 +465,8 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
     ("batch_size must be 1 when sequence_length > 1 and past context is given") and in a prefill
     (no past) takes positions 0..S-1 whatever ``position_ids`` says. The runtime picks this graph
     for those calls and ``proto`` for the others (graphs.runtime). Hand-written: no library rewrite
-    targets GroupQueryAttention from ONNX Attention. None when ``proto`` is not that compact form."""
+    targets GroupQueryAttention from ONNX Attention. Returns (the graph, the widest call it takes:
+    write column + new rows, its rotary tables' length); None when ``proto`` is not that compact form."""
     g = proto.graph
     producer = {o: n for n in g.node for o in n.output}
     consumers: dict[str, list] = {}
@@ -507,6 +513,7 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
             if cos.input[1] != C.POSITION_IDS or cos.input[0] not in inits or sin.input[0] not in inits:
                 raise _NoMatchError("cos/sin not tables")
             tables = (cos.input[0], sin.input[0])
+            table_dims = [list(t.dims) for t in g.initializer if t.name in tables]
             if bias not in (None, mask):
                 raise _NoMatchError("layers with different masks")
             bias = mask
@@ -521,30 +528,38 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
             body.append(onnx.helper.make_node(
                 "GroupQueryAttention",
                 [*qkv, sk.input[0], sv.input[0], "gqa/seqlens_k", "gqa/total_sequence_length",
-                 tables[0], tables[1], C.POSITION_IDS, bias],
+                 "gqa/cos", "gqa/sin", C.POSITION_IDS, "gqa/bias"],
                 [r_out[0].output[0], sk.output[0], sv.output[0]], domain="com.microsoft",
                 name=f"gqa.{layer}", do_rotary=1, num_heads=nq, kv_num_heads=nkv,
                 **({"scale": scale} if scale else {})))
             drop.update(id(n) for n in (att, rq, rk, sk, sv, *plumbing, t_out[0], r_out[0]))
     except _NoMatchError:
         return None
-    # per row: the last column its call writes (GQA's seqlens_k), and the buffer's width
-    one = onnx.helper.make_tensor("gqa/one", TensorProto.INT64, [1], [1])
-    s_axis = onnx.helper.make_tensor("gqa/axis1", TensorProto.INT64, [1], [1])
-    p_axis = onnx.helper.make_tensor("gqa/axis3", TensorProto.INT64, [1], [3])
+    # per row: the last column its call writes (GQA's seqlens_k); the call's columns: the longest
+    # row's (the kernel wants its cos/sin tables and the bias that wide, not the buffer's capacity,
+    # which may pass max_position_embeddings by the cache's headroom)
+    def ints(name, values):
+        return onnx.helper.make_node("Constant", [], [name], value=onnx.helper.make_tensor(
+            name, TensorProto.INT64, [len(values)], values))
+
     head = [
-        onnx.helper.make_node("Constant", [], ["gqa/one"], value=one),
-        onnx.helper.make_node("Constant", [], ["gqa/axis1"], value=s_axis),
-        onnx.helper.make_node("Constant", [], ["gqa/axis3"], value=p_axis),
+        ints("gqa/zero", [0]), ints("gqa/one", [1]), ints("gqa/axis1", [1]), ints("gqa/axis3", [3]),
         onnx.helper.make_node("Shape", [C.INPUT_IDS], ["gqa/ids_shape"]),
         onnx.helper.make_node("Gather", ["gqa/ids_shape", "gqa/axis1"], ["gqa/width"], axis=0),
         onnx.helper.make_node("Sub", ["gqa/width", "gqa/one"], ["gqa/width_1"]),
         onnx.helper.make_node("Add", [C.KV_WRITE, "gqa/width_1"], ["gqa/last"]),
         onnx.helper.make_node("Cast", ["gqa/last"], ["gqa/seqlens_k"], to=TensorProto.INT32),
-        onnx.helper.make_node("Shape", [C.ATTENTION_MASK], ["gqa/mask_shape"]),
-        onnx.helper.make_node("Gather", ["gqa/mask_shape", "gqa/axis3"], ["gqa/columns"], axis=0),
+        onnx.helper.make_node("ReduceMax", ["gqa/last", "gqa/zero"], ["gqa/max_last"], keepdims=1),
+        onnx.helper.make_node("Add", ["gqa/max_last", "gqa/one"], ["gqa/columns"]),
         onnx.helper.make_node("Squeeze", ["gqa/columns"], ["gqa/columns0"]),
         onnx.helper.make_node("Cast", ["gqa/columns0"], ["gqa/total_sequence_length"], to=TensorProto.INT32),
+        onnx.helper.make_node("Slice", [bias, "gqa/zero", "gqa/columns", "gqa/axis3"], ["gqa/bias"]),
+        onnx.helper.make_node("Constant", [], ["gqa/table_margin"], value=onnx.helper.make_tensor(
+            "gqa/table_margin", TensorProto.FLOAT, [TABLE_MARGIN, table_dims[0][1]],
+            np.zeros(TABLE_MARGIN * table_dims[0][1], np.float32))),
+        # two constants: folded into one table when ONNX Runtime loads the graph
+        onnx.helper.make_node("Concat", [tables[0], "gqa/table_margin"], ["gqa/cos"], axis=0),
+        onnx.helper.make_node("Concat", [tables[1], "gqa/table_margin"], ["gqa/sin"], axis=0),
     ]
     out = onnx.ModelProto()
     out.CopyFrom(proto)
@@ -557,4 +572,4 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
     _topological(out.graph, strict=False)
     _remove_dead(out.graph)
     _topological(out.graph)
-    return out
+    return out, table_dims[0][0] + TABLE_MARGIN

@@ -93,6 +93,8 @@ class ServerState:
         if self.template is None and self.template_error is None:
             self.template_error = (f"the export {self.model} has no chat template (chat_template.jinja or "
                                    f"tokenizer_config.json's chat_template); use /v1/completions")
+        if cfg.max_running > 1:  # batches of trees run the base graph: load it now, not mid-traffic
+            dec.load_sessions()
         dec.generate([1], max_new_tokens=2)  # the first call of each graph is slow: not a user's
         self.dec = dec
         self.limits = Limits(self.model, worker.engine.max_len, cfg.max_tokens, max_tree=cfg.max_tree)
