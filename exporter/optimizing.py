@@ -80,7 +80,7 @@ class OptimizeOptions:
     # beside the base, a graph of the same contract with each layer's attention as one
     # com.microsoft.GroupQueryAttention (rotary, cache write and attention in one kernel that reads
     # each row's own length; exporter.passes.kv_inplace.group_query_graph), which the runtime runs for
-    # the calls that kernel takes (one token per row, or one sequence): on the 19M model 73 ORT nodes
+    # the calls that kernel takes (one token per row, or one sequence): on the 19M model 74 ORT nodes
     # to the base's 120 and a third less step time at 2048 tokens of context (docs/benchmarks.md).
     # Checked as the base is (parity with the raw trace, rows), and against the base row for row. Not
     # for int8 activations (accuracy level 4), where the two kernels' last-bit differences become
