@@ -267,6 +267,7 @@ def write_one_sequence_graph(dst: Path, layers: int, q_heads: int, kv_heads: int
 
     t0 = time.perf_counter()
     proto = graphio.load_graph(dst)
+    n0 = len(proto.graph.node)
     made = group_query_graph(proto, layers, q_heads, kv_heads)
     if made is None:
         log("  [base] one-seq   not written: the base's layers are not the compact fused form", flush=True)
@@ -274,7 +275,7 @@ def write_one_sequence_graph(dst: Path, layers: int, q_heads: int, kv_heads: int
     one, columns = made
     path = dst.with_name(dst.name[: -len(".onnx")] + ONE_SEQUENCE_SUFFIX)
     onnx.save_model(one, str(path))
-    n0, n1 = len(proto.graph.node), len(one.graph.node)
+    n1 = len(one.graph.node)
     log(f"  [base] one-seq   {layers} attention blocks -> GroupQueryAttention ({path.name}){'':14} nodes {n0:5d} -> "
         f"{n1:5d}  ({time.perf_counter() - t0:.1f} s)", flush=True)
     return {"file": path.name, "op": "GroupQueryAttention", "nodes": n1,

@@ -244,22 +244,17 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
             report.rows.append(error_row(role, "traced_reference", e))
             cases = []
         module = graph_module(model, role)
-        for case, inputs in cases:
-            try:
-                with torch.no_grad():
-                    ref = [t.numpy() for t in module(*inputs)]
-                got = run_case(session, spec, inputs)
-            except Exception as e:
-                report.rows.append(error_row(role, case, e))
+        for case, ref_d, got_d, error in run_cases(module, session, spec, cases):
+            if error is not None:
+                report.rows.append(error_row(role, case, error))
                 continue
-            ref_d, got_d = dict(zip(spec.output_names, ref)), dict(zip(spec.output_names, got))
             rows = output_rows(role, case, spec, ref_d, got_d, tol, quant[role])
             if is_tree_role(role) and _role_dtype(opt.get(role), spec) != "float32":
                 rows = _tree_agreement_only(rows, ref_d, got_d)
             report.rows += rows
-        if role == "base" and (opt.get("base") or {}).get("one_sequence"):
-            report.rows += one_sequence_rows(model, out_dir, opt["base"]["one_sequence"]["file"], spec, cases,
-                                             module, provider, dtype, tol, quant[role])
+        if role == "base" and manifest.one_sequence_file:
+            report.rows += one_sequence_rows(model, out_dir, manifest.one_sequence_file, spec, cases, module,
+                                             provider, dtype, tol, quant[role])
         if role == "base":
             report.rows += hf_rows(model, session, spec, tol, quant[role], traced[role])
             if distance or quant[role] != "none":
@@ -292,19 +287,26 @@ def one_sequence_rows(model, out_dir: Path, file: str, spec: C.GraphSpec, cases:
     from graphs.sessions import make_session
 
     session = _session(make_session, out_dir / file, provider, dtype)
+    named = [(f"{case} ({file})", inputs) for case, inputs in one_sequence_cases(cases)]
     rows = []
-    for case, inputs in one_sequence_cases(cases):
-        name = f"{case} ({file})"
+    for case, ref, got, error in run_cases(module, session, spec, named):
+        rows += [error_row("base", case, error)] if error is not None else output_rows("base", case, spec, ref, got,
+                                                                                       tol, quant)
+    return rows
+
+
+def run_cases(module, session, spec: C.GraphSpec, cases: list):
+    """Per case: (name, PyTorch's outputs, the graph's outputs, None), each a dict by output name, or
+    (name, None, None, the exception) where either side raised."""
+    for case, inputs in cases:
         try:
             with torch.no_grad():
                 ref = [t.numpy() for t in module(*inputs)]
             got = run_case(session, spec, inputs)
         except Exception as e:
-            rows.append(error_row("base", name, e))
+            yield case, None, None, e
             continue
-        rows += output_rows("base", name, spec, dict(zip(spec.output_names, ref)), dict(zip(spec.output_names, got)),
-                            tol, quant)
-    return rows
+        yield case, dict(zip(spec.output_names, ref)), dict(zip(spec.output_names, got)), None
 
 
 _TREE_CHOICES = {C.TREE_TOKENS, C.TREE_PARENTS, C.TREE_DEPTH, C.TREE_MASK, C.TREE_SCORES}

@@ -55,12 +55,16 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     @property
-    def one_sequence_file(self) -> str | None:
-        """The base's one-sequence graph (``exporter.optimize``: the base's contract, each layer's
-        attention one GroupQueryAttention) that the runtime runs for one-token calls and one
-        sequence's calls; None where the export has none."""
+    def one_sequence(self) -> dict | None:
+        """The record of the base's one-sequence graph (``exporter.optimize``: the base's contract,
+        each layer's attention one GroupQueryAttention) that the runtime runs for one-token calls
+        and one sequence's calls: its ``file``, ``max_columns``, its checks; None where there is none."""
         one = (self.optimization.get("base") or {}).get("one_sequence")
-        return one.get("file") if isinstance(one, dict) else None
+        return one if isinstance(one, dict) else None
+
+    @property
+    def one_sequence_file(self) -> str | None:
+        return self.one_sequence["file"] if self.one_sequence else None
 
     def to_json(self) -> dict:
         return {

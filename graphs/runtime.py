@@ -157,7 +157,7 @@ class Decoder:
             self._one_sequence = InPlaceRun(sess, self.base_spec)
             # its rotary tables' length: a call reaching past it (a tree at the very end of the
             # context) runs the base
-            self._one_sequence_columns = int(m.optimization["base"]["one_sequence"].get("max_columns", 0))
+            self._one_sequence_columns = int(m.one_sequence.get("max_columns", 0))
         # optimize's rows check: where a one-row call rounds otherwise than calls of more rows (MLAS's
         # M == 1 int8 kernel), every one-token call runs as two rows, so all calls share kernels
         self.min_rows = int((m.optimization.get("base") or {}).get("min_rows", 1))

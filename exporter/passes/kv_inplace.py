@@ -27,6 +27,8 @@ CPU kernel refuses a batch of more than one sequence when more than one token is
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, version_converter
@@ -160,14 +162,7 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
             return numpy_helper.to_array(consts[name].attribute[0].t).reshape(-1).tolist()
         return None
 
-    def op(name, kind):
-        n = producer.get(name)
-        if n is None or n.op_type != kind:
-            raise _NoMatchError(f"{name}: not {kind}")
-        return n
-
-    def attrs(n):
-        return {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+    op, attrs = functools.partial(_produced, producer), _attrs
 
     def heads_of(reshape, heads):
         shape = const(reshape.input[1])
@@ -281,6 +276,18 @@ def _compact(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int, hd: int
     _topological(g, strict=False)
     _remove_dead(g)  # (walks back from the outputs: needs the order)
     _topological(g)  # every live node's inputs are produced
+
+
+def _produced(producer: dict, name: str, kind: str):
+    """The node of op type ``kind`` that produces ``name``; _NoMatchError when another op (or none) does."""
+    n = producer.get(name)
+    if n is None or n.op_type != kind:
+        raise _NoMatchError(f"{name}: not {kind}")
+    return n
+
+
+def _attrs(n) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
 
 
 def _to_heads(x3: str, heads: int, hd: int, nodes: list) -> str:
@@ -465,25 +472,17 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
     ("batch_size must be 1 when sequence_length > 1 and past context is given") and in a prefill
     (no past) takes positions 0..S-1 whatever ``position_ids`` says. The runtime picks this graph
     for those calls and ``proto`` for the others (graphs.runtime). Hand-written: no library rewrite
-    targets GroupQueryAttention from ONNX Attention. Returns (the graph, the widest call it takes:
-    write column + new rows, its rotary tables' length); None when ``proto`` is not that compact form."""
+    targets GroupQueryAttention from ONNX Attention. Rewrites ``proto`` in place (no copy of its
+    weights) and returns (it, the widest call it takes: write column + new rows, its rotary tables'
+    length); None, ``proto`` untouched, when it is not that compact form."""
     g = proto.graph
     producer = {o: n for n in g.node for o in n.output}
     consumers: dict[str, list] = {}
     for n in g.node:
         for x in n.input:
             consumers.setdefault(x, []).append(n)
-    inits = {t.name for t in g.initializer}
-
-    def only(name, kind):
-        n = producer.get(name)
-        if n is None or n.op_type != kind:
-            raise _NoMatchError(f"{name}: not {kind}")
-        return n
-
-    def attrs(n):
-        return {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-
+    inits = {t.name: t for t in g.initializer}
+    only, attrs = functools.partial(_produced, producer), _attrs
     try:
         attentions = [n for n in g.node if n.op_type == "Attention"]
         if len(attentions) != num_layers:
@@ -513,7 +512,6 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
             if cos.input[1] != C.POSITION_IDS or cos.input[0] not in inits or sin.input[0] not in inits:
                 raise _NoMatchError("cos/sin not tables")
             tables = (cos.input[0], sin.input[0])
-            table_dims = [list(t.dims) for t in g.initializer if t.name in tables]
             if bias not in (None, mask):
                 raise _NoMatchError("layers with different masks")
             bias = mask
@@ -535,6 +533,7 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
             drop.update(id(n) for n in (att, rq, rk, sk, sv, *plumbing, t_out[0], r_out[0]))
     except _NoMatchError:
         return None
+    positions, half = inits[tables[0]].dims
     # per row: the last column its call writes (GQA's seqlens_k); the call's columns: the longest
     # row's (the kernel wants its cos/sin tables and the bias that wide, not the buffer's capacity,
     # which may pass max_position_embeddings by the cache's headroom)
@@ -555,21 +554,18 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
         onnx.helper.make_node("Cast", ["gqa/columns0"], ["gqa/total_sequence_length"], to=TensorProto.INT32),
         onnx.helper.make_node("Slice", [bias, "gqa/zero", "gqa/columns", "gqa/axis3"], ["gqa/bias"]),
         onnx.helper.make_node("Constant", [], ["gqa/table_margin"], value=onnx.helper.make_tensor(
-            "gqa/table_margin", TensorProto.FLOAT, [TABLE_MARGIN, table_dims[0][1]],
-            np.zeros(TABLE_MARGIN * table_dims[0][1], np.float32))),
+            "gqa/table_margin", TensorProto.FLOAT, [TABLE_MARGIN, half], np.zeros(TABLE_MARGIN * half, np.float32))),
         # two constants: folded into one table when ONNX Runtime loads the graph
         onnx.helper.make_node("Concat", [tables[0], "gqa/table_margin"], ["gqa/cos"], axis=0),
         onnx.helper.make_node("Concat", [tables[1], "gqa/table_margin"], ["gqa/sin"], axis=0),
     ]
-    out = onnx.ModelProto()
-    out.CopyFrom(proto)
     kept = [n for n in g.node if id(n) not in drop]
-    del out.graph.node[:]
-    out.graph.node.extend(head + kept + body)
-    if not any(o.domain == "com.microsoft" for o in out.opset_import):
-        out.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
-    del out.graph.value_info[:]
-    _topological(out.graph, strict=False)
-    _remove_dead(out.graph)
-    _topological(out.graph)
-    return out, table_dims[0][0] + TABLE_MARGIN
+    del g.node[:]
+    g.node.extend(head + kept + body)
+    if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    del g.value_info[:]
+    _topological(g, strict=False)
+    _remove_dead(g)
+    _topological(g)
+    return proto, positions + TABLE_MARGIN

@@ -183,6 +183,7 @@ def row_logits(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past:
     """M -> the (M, vocab) float64 logits of the first M tokens of one chain after a past (batch 1);
     "tree" -> the logits of the whole chain's tokens called as one path of a tree with side branches."""
     from graphs.sessions import make_session
+    from graphs.trees import Tree
 
     s = make_session(path, provider, threads)
     rng = np.random.default_rng(seed)
@@ -219,15 +220,9 @@ def row_logits(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past:
         if k % 2:
             parents.append(int(rng.integers(0, len(parents))))
             tokens.append(int(rng.integers(0, vocab)))
-    n = len(parents)
-    tree = np.zeros((n, n), bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            tree[i, j] = True
-            j = parents[j]
-    mask = np.concatenate([np.ones((n, past), bool), tree], axis=1)
-    out, _ = run(np.array(tokens, dtype=np.int64), past + tree.sum(-1) - 1, mask, pasts)
+    tree = Tree.from_parents(parents)
+    mask = np.concatenate([np.ones((tree.size, past), bool), tree.mask], axis=1)
+    out, _ = run(np.array(tokens, dtype=np.int64), past + tree.depth, mask, pasts)
     logits["tree"] = out[on_chain]
     return logits
 
