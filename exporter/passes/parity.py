@@ -151,10 +151,19 @@ def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec,
 
 
 ROW_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # one token (the autoregressive step) and the tree sizes used
+ROW_SEEDS = 8  # chains the rows check calls with every size in ROW_SIZES
+# With int8 activations (MatMulNBits accuracy level 4) a last-bit difference in a row's activations
+# (its ancestors at other columns, another attention kernel) now and then moves a value across a
+# quantization step: a discrete jump of ~1e-3 in the logits that a few chains may never show
+# (measured on the tiny int8 EAGLE test model: none in 8 chains, 2.8e-3 in 64; its decoding parted
+# from autoregressive at a top-2 margin of 6e-4). There the rows check samples this many chains more,
+# each called whole and as a tree's path only, so the recorded bound sees the jumps.
+ROW_SEEDS_INT8 = 32
 
 
 def row_consistency(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past: int = 20, threads: int = 1,
-                    seed: int = 7, kv_dims: tuple[int, int] | None = None, provider: str = "cpu") -> dict:
+                    seed: int = 7, kv_dims: tuple[int, int] | None = None, provider: str = "cpu",
+                    session=None) -> dict:
     """How much a row's logits depend on how many rows its call has, over the same past (which the
     graph computed from a prefill): a chain of ``max(sizes)`` tokens after the past, called as its
     first M tokens for every M in ``sizes``; row j of the M-call against row j of the largest call.
@@ -165,7 +174,7 @@ def row_consistency(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, 
     are 0 (or below every top-2 margin); when only "single" is large (MLAS's separate M == 1 int8
     kernel), calling one token as two rows (a padding row) makes every call use the many-row kernels.
     """
-    return consistency(row_logits(path, spec, vocab, sizes, past, threads, seed, kv_dims, provider))
+    return consistency(row_logits(path, spec, vocab, sizes, past, threads, seed, kv_dims, provider, session))
 
 
 def consistency(logits: dict) -> dict:
@@ -179,13 +188,15 @@ def consistency(logits: dict) -> dict:
 
 
 def row_logits(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past: int = 20, threads: int = 1,
-               seed: int = 7, kv_dims: tuple[int, int] | None = None, provider: str = "cpu") -> dict:
+               seed: int = 7, kv_dims: tuple[int, int] | None = None, provider: str = "cpu", session=None) -> dict:
     """M -> the (M, vocab) float64 logits of the first M tokens of one chain after a past (batch 1);
-    "tree" -> the logits of the whole chain's tokens called as one path of a tree with side branches."""
+    "tree" -> the logits of the whole chain's tokens called as one path of a tree with side branches.
+    ``session``: ``path``'s, made once by a caller that calls several seeds (else made here); ``sizes``
+    ``(16,)``: the whole chain only (and its tree)."""
     from graphs.sessions import make_session
     from graphs.trees import Tree
 
-    s = make_session(path, provider, threads)
+    s = session if session is not None else make_session(path, provider, threads)
     rng = np.random.default_rng(seed)
     t = max(sizes)
     ids = rng.integers(0, vocab, past + t).astype(np.int64)
