@@ -205,8 +205,13 @@ def apply_session_options(opts: ort.SessionOptions, options: dict) -> ort.Sessio
                         f"{type(options).__name__}")
     for key, value in options.items():
         if hasattr(ort.SessionOptions, key):
-            if key == "intra_op_num_threads" and _POOL_THREADS:
-                opts.use_per_session_threads = True  # the caller's own pool for this session
+            if key in ("intra_op_num_threads", "inter_op_num_threads", "use_per_session_threads") and _POOL_THREADS:
+                # ORT refuses a session pool of its own once the process-wide one exists (a raw
+                # "use_per_session_threads must be false when using a global thread pool")
+                raise InputError(f"session option {key}: every session of this process runs on one shared "
+                                 f"ONNX Runtime thread pool (size {_POOL_THREADS}: use_shared_thread_pool, "
+                                 f"as the CLIs and the server set it); drop the option, or choose the pool's "
+                                 f"size with threads / --threads")
             try:
                 setattr(opts, key, value)
             except (TypeError, AttributeError) as e:

@@ -235,6 +235,28 @@ def test_decode_is_incremental(exported, monkeypatch):
 # options that reach ONNX Runtime
 
 
+def test_a_thread_count_per_session_under_the_shared_pool_is_a_one_line_error(exported):
+    """Once the process runs every session on one pool (use_shared_thread_pool: the CLIs and the
+    server), ORT refuses a session pool of its own with a raw error (and prints an "EP Error" banner
+    first); the option is refused up front, naming the pool and the fix. In a child process: the pool
+    is process-wide."""
+    import subprocess
+    import sys
+
+    code = ("import graphs, graphs.errors, graphs.sessions as s\n"
+            "assert s.use_shared_thread_pool(1)\n"
+            "try:\n"
+            f"    graphs.load({str(exported('medusa'))!r}, provider='cpu',\n"
+            "                session_options={'intra_op_num_threads': 1})\n"
+            "except graphs.errors.InputError as e:\n"
+            "    print('REFUSED', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip()
+    assert line.startswith("REFUSED session option intra_op_num_threads") and "shared" in line and "--threads" in line
+    assert "EP Error" not in r.stdout + r.stderr
+
+
 def test_session_options_reach_ort(exported):
     dec = graphs.load(exported("eagle"), provider="cpu",
                       session_options={"intra_op_num_threads": 1, "session.intra_op.allow_spinning": "1",
