@@ -300,11 +300,13 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
             gain = O.time_gain(out_dir, tmp, manifest, specs, log) if options.time_gain else {}
             if "rows" in validation:  # what the runtime must do for rows to agree (graphs.runtime reads it)
                 records["base"]["min_rows"] = validation["rows"]["min_rows"]
-                records["base"]["rows_max_abs"] = max(validation["rows"]["single_max_abs"],
-                                                      validation["rows"]["multi_max_abs"],
-                                                      validation["rows"]["tree_max_abs"])
+                rows = validation["rows"]
+                records["base"]["rows_max_abs"] = O.rows_bound(rows["single_max_abs"],
+                                                               [rows["multi_max_abs"], rows["tree_max_abs"]],
+                                                               rows["min_rows"])
             if options.validate:
-                one = O.check_one_sequence(out_dir, tmp, manifest, specs, records, options, log)
+                one = O.check_one_sequence(out_dir, tmp, manifest, specs, records, options, log,
+                                           rows_record=validation.get("rows"))
                 if one is not None:
                     validation["one_sequence"] = {k: v for k, v in one.items() if k != "file"}
             manifest.graphs = specs

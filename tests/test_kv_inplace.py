@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -26,6 +27,7 @@ from graphs.sessions import InPlaceRun, make_session
 from graphs.slots import SlotCache
 
 QUIET = dict(progress=None, time_gain=False, tune=False)
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -491,3 +493,21 @@ def test_the_drafter_writes_its_k_v_in_place_and_drafts_the_same_trees(eagle_pai
     assert runs[0] == runs[1]
     drafted = [t for _, t, _ in runs[0][1] if len(t) > 1]
     assert len(drafted) > 20 and len({tuple(t) for t in drafted}) > 10  # the drafter ran, on varied contexts
+
+
+def test_the_graph_against_graph_bench_runs_our_graphs_as_it_says(pair):
+    """samples/bench_graphs.py's step of ours (docs/benchmarks.md, "graph against graph"): the one-sequence
+    graph and the base each run a bound one-token step, and an export without the one-sequence graph
+    is told so (not silently timed on the base)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_graphs", REPO / "samples" / "bench_graphs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ip, cat, _ = pair
+    for graph, name in (("one-sequence", "base.gqa.onnx"), ("base", "base.onnx")):
+        step, path = bench.ours(ip, graph, past=8, threads=1, rng=np.random.default_rng(0))
+        step()
+        assert path == ip / name
+    with pytest.raises(SystemExit, match="no one-sequence graph"):
+        bench.ours(cat, "one-sequence", past=8, threads=1, rng=np.random.default_rng(0))
