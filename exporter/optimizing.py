@@ -409,10 +409,11 @@ def row_sizes(seed: int) -> tuple:
 
 
 def check_rows(path: Path, spec: C.GraphSpec, source: dict, opts: OptimizeOptions, limit: float, log) -> dict:
-    """The rows gate of the base (:func:`exporter.passes.parity.row_consistency`, :func:`row_seeds` chains): calls of
-    2+ rows must agree within ``limit``; a one-row call that does not (and only that) makes the runtime
-    pad one token to two rows (``min_rows`` 2, recorded); anything else is refused. Returns the record
-    (the measured bounds, the limit, min_rows) written to the manifest."""
+    """The rows gate of the base (:func:`exporter.passes.parity.row_consistency` over
+    :func:`row_seeds` chains): calls of 2+ rows must agree within ``limit`` (else refused); a one-row
+    call that does not makes the runtime pad one token to two rows (``min_rows`` 2, recorded) where
+    trees agree too (:func:`pads_one_row`). Returns the record (the measured bounds, the limit,
+    min_rows) written to the manifest."""
     from exporter.passes.parity import ROW_SIZES, row_consistency
     from graphs.sessions import make_session
 
@@ -437,17 +438,23 @@ def check_rows(path: Path, spec: C.GraphSpec, source: dict, opts: OptimizeOption
         raise UserError(f"optimized base graph gives a token different logits in calls of different sizes "
                         f"({multi:.3g} > {limit:g}), so speculative output could differ from autoregressive; "
                         f"the export is untouched: {fix}")
-    if single > limit and tree > limit:
-        # A padding row buys exactness only where trees are exact too; here (int8 activations) a tree's
-        # path differs from the chain anyway, so the one-row call stays (two rows cost 1.3-1.5x a
-        # one-token step at 1.1B int4) and the bound counts both (rows_bound)
-        log(f"  [base] rows      one-token calls stay one row: a tree's path differs by {tree:.1e} anyway, so two "
-            f"rows would not make every call agree (the bound counts both; --accuracy-level 0 is exact)")
-    elif single > limit:
+    if pads_one_row(single, tree, limit):
         rec["min_rows"] = 2
         log("  [base] rows      one-token calls will run as two rows (a padding row): every call then uses the "
             "same kernels")
+    elif single > limit:
+        log(f"  [base] rows      one-token calls stay one row: a tree's path differs by {tree:.1e} anyway, so two "
+            f"rows would not make every call agree (the bound counts both; --accuracy-level 0 is exact)")
     return rec
+
+
+def pads_one_row(single: float, trees: float, limit: float) -> bool:
+    """Whether one-token calls run as two rows (``min_rows`` 2): where the one-row call alone rounds
+    otherwise (``single`` over ``limit``) and a tree's path agrees with the chain (``trees``, every
+    tree figure measured, within it). A padding row buys exactness only where trees are exact too;
+    with int8 activations a tree's path differs anyway, so the step stays one row (two rows cost
+    1.3-1.5x a one-token step at 1.1B int4) and the bound counts both (rows_bound)."""
+    return single > limit and trees <= limit
 
 
 def rows_bound(single: float, others: list[float], min_rows: int, across: float = 0.0) -> float:
@@ -480,14 +487,16 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
     strict = opts.quantize == "none"
     source = manifest.source
     dims = (source.get("num_kv_heads"), source.get("head_dim"))
+    raw = out_dir / manifest.graphs["base"].file
     try:
-        rows = graph_parity(out_dir / manifest.graphs["base"].file, path, manifest.graphs["base"], specs["base"],
-                            atol, rtol, vocab=source["vocab_size"], strict=strict, cases=ONE_SEQUENCE_CASES)
+        s_raw = make_session(raw, "cpu", 1)  # both parity runs below: the raw trace loaded once
+        rows = graph_parity(raw, path, manifest.graphs["base"], specs["base"], atol, rtol, vocab=source["vocab_size"],
+                            strict=strict, cases=ONE_SEQUENCE_CASES, raw_session=s_raw)
         # quantized: the base on the same cases, the distance from the float trace this graph may not exceed
         theirs_raw = (None if strict else
-                      graph_parity(out_dir / manifest.graphs["base"].file, tmp / specs["base"].file,
-                                   manifest.graphs["base"], specs["base"], atol, rtol, vocab=source["vocab_size"],
-                                   strict=False, cases=ONE_SEQUENCE_CASES))
+                      graph_parity(raw, tmp / specs["base"].file, manifest.graphs["base"], specs["base"], atol, rtol,
+                                   vocab=source["vocab_size"], strict=False, cases=ONE_SEQUENCE_CASES,
+                                   raw_session=s_raw))
         # the rows check's calls (chains after a past, their first M tokens, as a tree's path) on both graphs
         s_mine, s_theirs = make_session(path, "cpu", 1), make_session(tmp / specs["base"].file, "cpu", 1)
         pairs = [(row_logits(path, specs["base"], source["vocab_size"], kv_dims=dims, seed=seed, session=s_mine,
@@ -522,7 +531,7 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
     theirs_rec = rows_record or {}
     cross_tree = max(float(np.abs(mine["tree"] - theirs["tree"]).max()) for mine, theirs in pairs)
     trees = max(own_tree, cross_tree, theirs_rec.get("tree_max_abs", 0.0))
-    if single > atol and min_rows == 1 and trees <= atol:  # padding buys exactness only where trees are exact
+    if min_rows == 1 and pads_one_row(single, trees, atol):
         min_rows = 2
     # the two graphs on the same calls (chains from min_rows rows, and the tree), gated as the rows
     # check gates chains; with int8 activations recorded (parity.ROW_SEEDS_INT8), the ceiling above
@@ -541,8 +550,7 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
     # a one-row step on either graph, across to the other graph's chain, to a tree there
     # (``rows_record``: the base's rows check, whose one-row figure is the same kind as this graph's)
     base["rows_max_abs"] = rows_bound(max(single, theirs_rec.get("single_max_abs", 0.0)),
-                                      [base.get("rows_max_abs", 0.0) if rows_record is None else 0.0,
-                                       theirs_rec.get("multi_max_abs", 0.0), theirs_rec.get("tree_max_abs", 0.0),
+                                      [theirs_rec.get("multi_max_abs", 0.0), theirs_rec.get("tree_max_abs", 0.0),
                                        multi, own_tree, cross_tree], min_rows, across=cross)
     log(f"  [base] one-seq   vs raw{'' if strict else ' float32 (quantized: reported)'}: max |logits diff| "
         f"{worst:.2e}; rows: alone {single:.1e}, 2+ rows {multi:.1e}, a tree's path {own_tree:.1e}; vs the base "

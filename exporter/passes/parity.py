@@ -98,12 +98,14 @@ def _limit(ref: np.ndarray, atol: float, rtol: float) -> float:
 
 
 def _paired_runs(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, cases, make_feed, vocab: int,
-                 threads: int):
+                 threads: int, raw_session=None):
     """``(case, want, got)`` per case: the raw graph on the case's feed, the rewritten one on the same
-    feed cast to its own input dtypes (float16 graphs), each as a dict output name -> array."""
+    feed cast to its own input dtypes (float16 graphs), each as a dict output name -> array.
+    ``raw_session``: ``raw``'s, made once by a caller that checks several graphs against it."""
     from graphs.sessions import make_session  # honours a process-wide thread pool (exporter.bench)
 
-    a, b = make_session(raw, "cpu", threads), make_session(new, "cpu", threads)
+    a = raw_session if raw_session is not None else make_session(raw, "cpu", threads)
+    b = make_session(new, "cpu", threads)
     for i, case in enumerate(cases):
         feed = make_feed(spec, case, seed=i, vocab=vocab)
         new_feed, cut = rewritten_feed(feed, new_spec)
@@ -126,7 +128,8 @@ def rewritten_feed(feed: dict, new_spec: C.GraphSpec):
 
 
 def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, atol: float, rtol: float,
-                 vocab: int, strict: bool = True, threads: int = 1, cases=CASES) -> list[ParityRow]:
+                 vocab: int, strict: bool = True, threads: int = 1, cases=CASES, raw_session=None
+                 ) -> list[ParityRow]:
     """Run ``raw`` (float32, the exported trace) and ``new`` on every case; one row per output.
 
     ``strict=False`` (quantized graphs, a different model): only finiteness fails a row; the
@@ -134,7 +137,7 @@ def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec,
     scores may come out in either order).
     """
     rows = []
-    for case, want, got in _paired_runs(raw, new, spec, new_spec, cases, random_feed, vocab, threads):
+    for case, want, got in _paired_runs(raw, new, spec, new_spec, cases, random_feed, vocab, threads, raw_session):
         for t in spec.outputs:
             w, g = want[t.name], got[t.name]
             w64, g64 = w.astype(np.float64), g.astype(np.float64)
