@@ -50,11 +50,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphs import contract as C
-from graphs.adaptive import IDLE, SPEC_ADAPTIVE, SPEC_OFF, SPEC_ON, AdaptiveConfig, Planner, RowGains
+from graphs.adaptive import IDLE, SPEC_ADAPTIVE, SPEC_OFF, SPEC_ON, AdaptiveConfig, Planner, RowGains, root_only
 from graphs.errors import CapacityError, InputError
 from graphs.params import GenerationParams, Resolved
 from graphs.proposers import Eagle, Medusa, Plain
 from graphs.results import RequestEvent, Sampler, Stats
+from graphs.sampling import check_finite
 from graphs.slots import SlotCache
 
 WAITING, PREFILL, DECODING, DONE = "waiting", "prefill", "decoding", "done"
@@ -129,6 +130,7 @@ class Request:
     text: str = ""
     streamed: str = ""
     detok: object = None
+    text_per_token: bool = True  # the text follows each token (streams, stop strings); else decoded at the end
     t_added: float = 0.0
 
 
@@ -165,6 +167,8 @@ class Engine:
         self._lock = threading.RLock()  # held by a step (and by changes to the rows)
         self._in_lock = threading.Lock()  # the incoming queue, cancels and the id table: never held long
         self._stepping = False
+        self._finished = False  # a request finished since the last _retire (its row, if any, to free)
+        self._deadlines = False  # a request with a deadline was added (_expire has something to check)
 
     # ------------------------------------------------------------------ requests
 
@@ -190,6 +194,7 @@ class Engine:
             if not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
                 raise InputError(f"deadline_s must be a number > 0, got {deadline_s!r}")
             req.deadline = time.perf_counter() + float(deadline_s)
+            self._deadlines = True
         with self._in_lock:
             # requests that will find a free row at the next step's admission do not wait
             waiting = len(self._waiting) + len(self._incoming) - max(self.config.max_batch - len(self._rows), 0)
@@ -280,6 +285,8 @@ class Engine:
             self._cancel(rid)
 
     def _expire(self, events: list) -> None:
+        if not self._deadlines:
+            return
         now = time.perf_counter()
         for req in [*self._rows, *self._waiting]:
             if req.deadline is not None and now >= req.deadline and not req.done:
@@ -303,6 +310,8 @@ class Engine:
 
     def _prefill(self) -> list:
         """Prompt chunks within the step's token budget, one base call per contiguous run of rows."""
+        if all(r.state != PREFILL for r in self._rows):
+            return []
         cfg = self.config
         decoding = sum(r.state == DECODING for r in self._rows)
         budget = max(cfg.step_tokens - decoding * self.planner.last_width, cfg.prefill_chunk)
@@ -375,26 +384,27 @@ class Engine:
             full = np.array([1 if r is None else r.tree_size for r in live], dtype=np.int64)
             sizes = self.planner.plan(modes, full, lambda: [None if r is None or r.gains is None
                                                             else r.gains.predicted() for r in live])
+            drafted = bool((sizes > 1).any())
         else:  # nobody may speculate: nothing to decide
-            sizes = np.array([0 if r is None else 1 for r in live], dtype=np.int64)
-        drafted = bool((sizes > 1).any())
+            sizes, drafted = None, False
+        if not drafted:
+            events = self._plain_step(live, t_start)
+            if events is not None:
+                return events
+            if sizes is None:
+                sizes = np.array([0 if r is None else 1 for r in live], dtype=np.int64)
         if drafted:
             proposals, t_draft, calls = self.proposer.propose(live, sizes)
         else:
             proposals, t_draft, calls = self.plain.propose(live, sizes)
         # verify: every occupied row, its tree padded to the batch's width
         width = max(len(cand) for _, cand in proposals)
-        if width == 1:  # a plain step: every row verifies its root (the autoregressive step)
-            ids = np.array([[cand[0]] for _, cand in proposals], dtype=np.int64)  # (n, 1)
-            depth = np.zeros((n, 1), dtype=np.int64)
-            tmask = np.ones((n, 1, 1), dtype=bool)
-        else:
-            ids = np.full((n, width), self.dec.pad, dtype=np.int64)
-            depth = np.zeros((n, width), dtype=np.int64)
-            tmask = np.broadcast_to(np.eye(width, dtype=bool), (n, width, width)).copy()
-            for b, (tree, cand) in enumerate(proposals):
-                k = len(cand)
-                ids[b, :k], depth[b, :k], tmask[b, :k, :k] = cand, tree.depth, tree.mask
+        ids = np.full((n, width), self.dec.pad, dtype=np.int64)
+        depth = np.zeros((n, width), dtype=np.int64)
+        tmask = np.broadcast_to(np.eye(width, dtype=bool), (n, width, width)).copy()
+        for b, (tree, cand) in enumerate(proposals):
+            k = len(cand)
+            ids[b, :k], depth[b, :k], tmask[b, :k, :k] = cand, tree.depth, tree.mask
         pos = self.kv.lens[:n, None] + depth
         t0 = time.perf_counter()
         out = self.dec.base_forward(self.kv, ids, pos, tmask)
@@ -418,12 +428,7 @@ class Engine:
         self.planner.costs.add_verify(n * width, t_verify)
         if drafted:
             self.planner.costs.add_draft(n, t_draft)
-        tot = self.totals
-        tot.steps += 1
-        tot.plain_steps += not drafted
-        tot.time_verify += t_verify
-        tot.time_draft += t_draft
-        tot.draft_calls += calls
+        tot = self._count_step(drafted, t_verify, t_draft, calls)
         events = []
         watchers = self.dec.watchers()
         for b, req in enumerate(live):
@@ -431,13 +436,7 @@ class Engine:
                 continue
             tree, cand = proposals[b]
             a = accepted[b]
-            if watchers:
-                rec = VerifyRecord(req.id, tree, cand, req.position, list(a), int(bonus[b]), tot.steps)
-                for w in watchers:
-                    w.append(rec)
             st = req.stats
-            st.steps += 1
-            st.time_verify += t_verify
             if sizes[b] > 1:
                 st.time_draft += t_draft
                 st.draft_calls += calls
@@ -456,16 +455,85 @@ class Engine:
                     self.planner.learn(req.prior_key, req.gains.observe(tree, a))
             else:
                 st.plain_steps += 1
-            st.accepted.append(len(a))
-            tot.accepted.append(len(a))
-            req.position += len(a)
-            req.root = int(bonus[b])
-            ev = self._emit(req, [int(x) for x in cand[a[1:]]] + [int(bonus[b])])
+            ev = self._accepted(req, tree, cand, a, int(bonus[b]), t_verify, watchers)
             if ev is not None:
                 events.append(ev)
         host = time.perf_counter() - t_start - t_verify - t_draft
         self.planner.costs.add_host(drafted, host, n)
         return events
+
+    def _plain_step(self, live: list, t_start: float) -> list | None:
+        """A step in which no row drafts: every row verifies its root (the autoregressive step), on the
+        step the decoder binds once (:meth:`graphs.runtime.Decoder.plain_step`). It is the general
+        path with a one-node tree per row, whose tree arrays, acceptance walk and K/V moves are the
+        identity: the root's token is the row's sampled token, each row keeps its one new column.
+        Returns None (nothing done) where the graphs take no bound step: the general path runs then."""
+        t0 = time.perf_counter()
+        roots = [0 if r is None else r.root for r in live]  # a prefilling row computes a column it never keeps
+        out = self.dec.plain_step(self.kv, roots)
+        if out is None:
+            return None
+        t_verify = time.perf_counter() - t0
+        n = len(live)
+        logits = out[C.LOGITS][:, 0]  # (n, V): the distribution after each row's root
+        best = logits.argmax(axis=1)  # (n,) greedy rows' tokens
+        tree = root_only()
+        bonus, counts = [0] * n, np.zeros(n, dtype=np.int64)
+        for b, req in enumerate(live):
+            if req is None:
+                continue
+            counts[b] = 1
+            if req.sampler.temperature == 0:
+                bonus[b] = int(best[b])
+                check_finite(logits[b, bonus[b]])
+            else:  # the sampler's own draw, as the general path makes it (the same random stream)
+                bonus[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b : b + 1])[1]
+        self.kv.commit(self.dec.presents(out), np.zeros((n, 1), dtype=np.int64), counts)
+        if any(r is not None and r.draft is not None for r in live):  # drafter state to keep up to date
+            accepted = [None if r is None else [0] for r in live]
+            cands = [np.array([x], dtype=np.int64) for x in roots]
+            self.proposer.advance(live, out, accepted, bonus, cands, np.asarray(counts))
+        self.planner.costs.add_verify(n, t_verify)
+        self._count_step(False, t_verify, 0.0, 0)
+        events = []
+        watchers = self.dec.watchers()
+        for b, req in enumerate(live):
+            if req is None:
+                continue
+            req.stats.plain_steps += 1
+            ev = self._accepted(req, tree, roots[b : b + 1], [0], bonus[b], t_verify, watchers)
+            if ev is not None:
+                events.append(ev)
+        self.planner.costs.add_host(False, time.perf_counter() - t_start - t_verify, n)
+        return events
+
+    def _count_step(self, drafted: bool, t_verify: float, t_draft: float, calls: int) -> Stats:
+        """The engine's totals after one decode step; returns them."""
+        tot = self.totals
+        tot.steps += 1
+        tot.plain_steps += not drafted
+        tot.time_verify += t_verify
+        tot.time_draft += t_draft
+        tot.draft_calls += calls
+        return tot
+
+    def _accepted(self, req: Request, tree, cand, a: list, bonus: int, t_verify: float, watchers: list):
+        """Row ``req`` verified ``tree`` (tokens ``cand``) and accepted nodes ``a`` then ``bonus``: its
+        statistics, position and root move on, the watchers see it, its tokens are emitted."""
+        tot = self.totals
+        if watchers:
+            rec = VerifyRecord(req.id, tree, cand, req.position, list(a), bonus, tot.steps)
+            for w in watchers:
+                w.append(rec)
+        st = req.stats
+        st.steps += 1
+        st.time_verify += t_verify
+        st.accepted.append(len(a))
+        tot.accepted.append(len(a))
+        req.position += len(a)
+        req.root = bonus
+        toks = [int(x) for x in cand[a[1:]]] + [bonus] if len(a) > 1 else [bonus]
+        return self._emit(req, toks)
 
     # ------------------------------------------------------------------ emit and retire
 
@@ -481,7 +549,7 @@ class Engine:
                 toks, req.done = toks[: i + 1], "eos"
                 break
         stops = req.params.stop_strings
-        if req.detok is not None:
+        if req.detok is not None and req.text_per_token:
             # text grows token by token (tokenizers' DecodeStream: O(new tokens)); a stop string keeps
             # the tokens up to the one that completes it
             longest = max(map(len, stops), default=0)
@@ -517,6 +585,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.done = reason
+        self._finished = True
         st = req.stats
         st.new_tokens = len(req.tokens)
         st.time_total = time.perf_counter() - req.t_added
@@ -529,6 +598,9 @@ class Engine:
 
     def _retire(self) -> None:
         """Free the rows of finished requests (the last row moves into each freed one)."""
+        if not self._finished:  # nothing finished since the last call: every row is live
+            return
+        self._finished = False
         for req in [r for r in self._rows if r.done]:
             b = req.slot
             self.kv.remove_row(b)

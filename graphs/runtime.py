@@ -194,7 +194,7 @@ class Decoder:
         """
         batched = _is_batch(prompt)
         run = _Run()
-        for _ in self._run(prompt, self.resolve(params, **overrides), run):
+        for _ in self._run(prompt, self.resolve(params, **overrides), run, stream=False):
             pass
         results = [GenerationResult(req.tokens, req.text if self.tokenizer else None, req.done or "length",
                                     run.stats) for req in run.requests]
@@ -232,6 +232,21 @@ class Decoder:
         if ids.shape[1] < self.min_rows:  # a padding row that sees only itself; its outputs are dropped
             return self._padded_forward(kv, ids, pos, tree_mask, rows)
         return self._forward(kv, ids, pos, tree_mask, rows)
+
+    def plain_step(self, kv, roots: np.ndarray) -> dict | None:
+        """A plain (autoregressive) step of every occupied row of ``kv`` (a :class:`graphs.slots.SlotCache`):
+        ``roots`` (n,) the tokens, each at its row's length; the outputs (n, 1, ...) by name, written
+        in place like :meth:`base_forward`'s, valid until the next step (copy what must outlive it).
+        None where the graphs take no such step (K/V not written in place, or one-token calls padded
+        to ``min_rows``): use :meth:`base_forward`. It computes what base_forward computes for the
+        same call (the same graph, the same inputs), without building them anew each step."""
+        if self._in_place is None or self.min_rows > 1:
+            return None
+        columns = kv.top() + 1
+        kv.reserve_columns(columns)
+        one = self._one_sequence
+        run = one if one is not None and columns <= self._one_sequence_columns else self._in_place
+        return run.step_on(kv, roots)
 
     def _forward(self, kv, ids, pos, tree_mask, rows) -> dict:
         if self._in_place is not None:
@@ -420,8 +435,10 @@ class Decoder:
 
     # ------------------------------------------------------------------ generate / stream
 
-    def _run(self, prompt, p: Resolved, run: _Run):
-        """A private engine over the batch; yields StreamEvents, fills ``run`` (requests, stats)."""
+    def _run(self, prompt, p: Resolved, run: _Run, stream: bool = True):
+        """A private engine over the batch; yields StreamEvents, fills ``run`` (requests, stats).
+        ``stream`` False (generate): the events' text is not read, so a request without stop strings
+        decodes its text once at the end instead of token by token."""
         prompts = [self.encode(x) if isinstance(x, str) else x for x in check_prompt(prompt)]
         if any(not x for x in prompts):
             raise InputError("empty prompt: pass at least one token of text")
@@ -431,7 +448,10 @@ class Decoder:
         cfg = batch_config(self.manifest.source, self.dtype, len(prompts), longest, max(max_len, 2))
         engine = Engine(self, cfg)
         r = Resolved(**{**p.__dict__, "max_new_tokens": new, "max_length": None})
-        ids = [engine.add(self.new_request(x, r, engine.max_len, stream=b)) for b, x in enumerate(prompts)]
+        reqs = [self.new_request(x, r, engine.max_len, stream=b) for b, x in enumerate(prompts)]
+        for req in reqs:
+            req.text_per_token = stream or bool(r.stop_strings)
+        ids = [engine.add(req) for req in reqs]
         run.requests = [engine.request(i) for i in ids]
         index = {rid: b for b, rid in enumerate(ids)}
         stats = run.stats
@@ -439,16 +459,17 @@ class Decoder:
         t0 = _now()
         while engine.has_pending_requests():
             events = engine.step()
-            tot = engine.totals
-            for name in ("steps", "plain_steps", "accepted", "time_prefill", "time_draft", "time_verify",
-                         "draft_calls", "draft_tokens", "accepted_drafts", "accepted_per_pos"):
-                setattr(stats, name, getattr(tot, name))
-            stats.time_total = _now() - t0
-            stats.new_tokens = sum(len(q.tokens) for q in run.requests)
             out = [StreamEvent(index=index[e.request_id], token_ids=e.token_ids, text=e.text,
                                finish_reason=e.finish_reason) for e in events]
-            if out and not engine.has_pending_requests():
-                out[-1].stats = stats  # the run's last event carries its final stats
+            if not engine.has_pending_requests():  # the run's stats, once, after its last step
+                stats.time_total = _now() - t0
+                tot = engine.totals
+                for name in ("steps", "plain_steps", "accepted", "time_prefill", "time_draft", "time_verify",
+                             "draft_calls", "draft_tokens", "accepted_drafts", "accepted_per_pos"):
+                    setattr(stats, name, getattr(tot, name))
+                stats.new_tokens = sum(len(q.tokens) for q in run.requests)
+                if out:
+                    out[-1].stats = stats  # the run's last event carries its final stats
             yield from out
 
 

@@ -1,0 +1,189 @@
+"""The plain step bound once (graphs.sessions.InPlaceRun.step_on, Decoder.plain_step, Engine._plain_step).
+
+An autoregressive step (every row verifies its root) runs on arrays bound to the session once per
+(buffers, occupied rows) and refilled in place, instead of the general path's new arrays, bindings
+and one-node trees each step. It must compute what ``Decoder.base_forward`` computes for the same
+call, step after step, across a growth of the K/V buffers and rows leaving; and the engine must
+decode exactly as the general path does (greedy and seeded sampling, requests arriving and leaving),
+taking the bound step wherever a step drafts nothing.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from exporter.optimize import optimize_export
+from graphs import contract as C
+from graphs.slots import SlotCache
+
+QUIET = dict(progress=None, time_gain=False, tune=False)
+
+
+@pytest.fixture(scope="module")
+def exports(exported, tmp_path_factory):
+    """The tiny Medusa model: optimized (K/V in place, with the one-sequence graph), optimized in the
+    3-D layout without it, and the raw export (K/V concatenated: no bound step)."""
+    outs = {}
+    for name, opts in (("one-sequence", {}), ("bsh", {"kv_layout": "bsh", "one_sequence_graph": False})):
+        out = tmp_path_factory.mktemp(f"step-{name}") / "out"
+        shutil.copytree(exported("medusa"), out)
+        optimize_export(out, **opts, **QUIET)
+        outs[name] = out
+    outs["raw"] = exported("medusa")
+    return outs
+
+
+def _cache(dec, slots: int, max_len: int) -> SlotCache:
+    src = dec.manifest.source
+    return SlotCache(src["num_layers"], slots, src["num_kv_heads"], src["head_dim"], dec.dtype, max_len,
+                     headroom=8, bucket=16, layout=dec.kv_layout)
+
+
+def _fill(kvs, lens, rng) -> None:
+    """The same rows of every cache: ``lens`` committed columns, garbage everywhere (seen or not)."""
+    for kv in kvs:
+        for _ in lens:
+            kv.add_row()
+        kv.reserve(max(lens) + 1)
+    for bufs in zip(*[kv.keys + kv.values for kv in kvs]):
+        noise = rng.standard_normal(bufs[0].shape).astype(bufs[0].dtype)
+        for buf in bufs:
+            buf[...] = noise
+    for kv in kvs:
+        kv.lens[: len(lens)] = lens
+
+
+@pytest.mark.parametrize("name", ["one-sequence", "bsh"])
+def test_the_bound_step_computes_what_base_forward_computes(exports, name):
+    """Rows of different lengths, garbage in every column: 24 steps of the bound step against
+    base_forward's one-token calls on a copy of the cache: the same logits and hidden states and the
+    same buffers after each step, while the buffers grow (new memory: the binding is made anew) and a
+    row leaves (fewer rows: likewise). The returned arrays are the binding's, refilled each step."""
+    import graphs
+
+    dec = graphs.load(exports[name], provider="cpu", threads=1)
+    assert (dec._one_sequence is not None) == (name == "one-sequence")
+    vocab = dec.manifest.source["vocab_size"]
+    rng = np.random.default_rng(0)
+    fast, slow = _cache(dec, 3, 120), _cache(dec, 3, 120)
+    _fill([fast, slow], [5, 25, 1], rng)  # 32 columns: row 1 outgrows them
+    outputs, generations = [], set()
+    for step in range(24):
+        if step == 12:  # the first row leaves: the last one moves into its place
+            for kv in (fast, slow):
+                kv.remove_row(0)
+        n = fast.n
+        roots = rng.integers(0, vocab, n)
+        got = dec.plain_step(fast, roots)
+        want = dec.base_forward(slow, roots[:, None], slow.lens[:n, None].copy(), np.ones((n, 1, 1), dtype=bool))
+        for out in (C.LOGITS, C.HIDDEN):
+            assert got[out].shape == want[out].shape
+            np.testing.assert_array_equal(got[out], want[out], err_msg=f"{out} at step {step}")
+        for a, b in zip(fast.keys + fast.values, slow.keys + slow.values):
+            np.testing.assert_array_equal(a[:n], b[:n], err_msg=f"K/V after step {step}")
+        outputs.append(got[C.LOGITS])
+        generations.add(fast.generation)
+        counts = np.ones(n, dtype=np.int64)
+        for kv in (fast, slow):
+            kv.commit(dec.presents(want), np.zeros((n, 1), dtype=np.int64), counts)
+    assert len(generations) > 1, "the buffers never grew: the test did not see a new binding"
+    assert outputs[0] is outputs[1]  # one binding, refilled (the caller copies what it keeps)
+
+
+def test_graphs_without_a_bound_step_say_so(exports):
+    """The raw export (K/V concatenated) and one-token calls padded to two rows (min_rows 2) take the
+    general path: plain_step returns None and changes nothing."""
+    import graphs
+
+    raw = graphs.load(exports["raw"], provider="cpu", threads=1)
+    padded = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    padded.min_rows = 2
+    for dec in (raw, padded):
+        kv = _cache(dec, 2, 64)
+        _fill([kv], [3, 4], np.random.default_rng(1))
+        lens, cap = kv.lens.copy(), kv.capacity
+        assert dec.plain_step(kv, np.array([1, 2])) is None
+        assert np.array_equal(kv.lens, lens) and kv.capacity == cap
+
+
+def _decode(dec, requests: list[dict], max_batch: int = 3) -> tuple[list, int]:
+    """Requests arriving one per step into an engine of ``max_batch`` rows (so some wait and join as
+    others leave): each request's (tokens, text), and the engine's steps that drafted nothing."""
+    from graphs.engine import EngineConfig
+
+    engine = dec.engine(EngineConfig(max_batch=max_batch))
+    got: dict[int, list] = {}
+    ids = []
+    for step in range(400):
+        if step < len(requests):
+            rid = engine.add_request(**requests[step])
+            ids.append(rid)
+            got[rid] = [[], ""]
+        for ev in engine.step():
+            got[ev.request_id][0] += ev.token_ids
+            got[ev.request_id][1] += ev.text
+        if step >= len(requests) and not engine.has_pending_requests():
+            break
+    return [tuple(got[i]) for i in ids], engine.totals.plain_steps
+
+
+def test_the_engine_decodes_plain_steps_on_the_bound_step_exactly_as_the_general_path(exports):
+    """Greedy and seeded sampled requests, with speculation off and adaptive, arriving and leaving:
+    every token and text equal to the general path's (plain_step disabled), and the bound step
+    taking every step that drafts nothing (none of the general path's one-token calls remain)."""
+    import graphs
+
+    prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 2, 9], [11, 2], [3, 3, 8, 1, 2], [4, 4], [9, 8, 7, 6]]
+    settings = [dict(speculation="off"), dict(speculation="off", temperature=0.9, seed=3),
+                dict(speculation="adaptive"), dict(speculation="off", temperature=0.7, top_k=20, seed=5),
+                dict(speculation="on", temperature=0.8, seed=11), dict(speculation="off")]
+    requests = [dict(prompt=p, max_new_tokens=10 + 3 * i, **s) for i, (p, s) in enumerate(zip(prompts, settings))]
+
+    fast = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    calls = {"step": 0, "one-token run_on": 0}
+    rows = []  # rows of each bound step
+    for run in (fast._one_sequence, fast._in_place):
+        step_on, run_on = run.step_on, run.run_on
+
+        def counted_step(kv, roots, inner=step_on):
+            calls["step"] += 1
+            rows.append(len(roots))
+            return inner(kv, roots)
+
+        def counted_run(kv, feed, rows=None, inner=run_on):
+            calls["one-token run_on"] += feed[C.INPUT_IDS].shape[1] == 1
+            return inner(kv, feed, rows)
+
+        run.step_on, run.run_on = counted_step, counted_run
+    got, plain = _decode(fast, requests)
+
+    general = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    general.plain_step = lambda kv, roots: None
+    want, _ = _decode(general, requests)
+    assert got == want
+    assert calls == {"step": plain, "one-token run_on": 0} and plain > 10, (calls, plain)
+    assert max(rows) == 3  # steps of several rows (some of them still prefilling) took it too
+    # and the general path is what the bound step replaces: greedy autoregressive, request by request
+    for (tokens, text), req in zip(got, requests):
+        if req.get("temperature") is None:
+            alone = general.generate(req["prompt"], max_new_tokens=req["max_new_tokens"], mode="autoregressive")
+            assert tokens == alone.token_ids and text == alone.text
+
+
+def test_generate_decodes_its_text_once_and_says_what_the_stream_says(exports):
+    """generate() reads no event's text: without stop strings its requests decode their text at the
+    end, not token by token; it equals the stream's text joined (and the stop string still cuts)."""
+    import graphs
+
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    for kw in (dict(max_new_tokens=24), dict(max_new_tokens=24, temperature=0.9, seed=2)):
+        res = dec.generate([5, 9, 3], mode="autoregressive", **kw)
+        streamed = "".join(ev.text for ev in dec.stream([5, 9, 3], mode="autoregressive", **kw))
+        assert res.text == streamed and res.text
+    full = dec.generate([5, 9, 3], mode="autoregressive", max_new_tokens=24).text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    cut = dec.generate([5, 9, 3], mode="autoregressive", max_new_tokens=24, stop=stop)
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
