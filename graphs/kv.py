@@ -20,14 +20,18 @@ import numpy as np
 from graphs import contract as C
 
 
-def alloc_buffer(rows: int, kv_heads: int, cap: int, head_dim: int, dtype, layout: str = "bhsd") -> np.ndarray:
+def alloc_buffer(rows: int, kv_heads: int, cap: int, head_dim: int, dtype, layout: str = "bhsd",
+                 lead: tuple = ()) -> np.ndarray:
     """One K or V buffer as a (rows, kv_heads, cap, head_dim) array. Layout ``bsh`` (the graphs that
     write K/V in place, graphs.contract.kv_layout) stores it (rows, cap, kv_heads, head_dim) and returns
     the transposed view, so every write of the caches is layout-blind. Zeros, not empty: masked
-    columns are still multiplied by softmax weights of 0."""
+    columns are still multiplied by softmax weights of 0. ``lead``: leading dimensions of several such
+    buffers in one array (``lead + (rows, kv_heads, cap, head_dim)``; each ``[i]`` is one buffer)."""
+    k = len(lead)
     if layout == "bsh":
-        return np.zeros((rows, cap, kv_heads, head_dim), dtype=dtype).transpose(0, 2, 1, 3)
-    return np.zeros((rows, kv_heads, cap, head_dim), dtype=dtype)
+        axes = (*range(k), k, k + 2, k + 1, k + 3)
+        return np.zeros((*lead, rows, cap, kv_heads, head_dim), dtype=dtype).transpose(axes)
+    return np.zeros((*lead, rows, kv_heads, cap, head_dim), dtype=dtype)
 
 
 def graph_view(buf: np.ndarray, layout: str) -> np.ndarray:

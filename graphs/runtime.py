@@ -233,20 +233,36 @@ class Decoder:
             return self._padded_forward(kv, ids, pos, tree_mask, rows)
         return self._forward(kv, ids, pos, tree_mask, rows)
 
-    def plain_step(self, kv, roots: np.ndarray) -> dict | None:
+    def plain_step(self, kv, roots) -> dict | None:
         """A plain (autoregressive) step of every occupied row of ``kv`` (a :class:`graphs.slots.SlotCache`):
         ``roots`` (n,) the tokens, each at its row's length; the outputs (n, 1, ...) by name, written
-        in place like :meth:`base_forward`'s, valid until the next step (copy what must outlive it).
-        None where the graphs take no such step (K/V not written in place, or one-token calls padded
-        to ``min_rows``): use :meth:`base_forward`. It computes what base_forward computes for the
-        same call (the same graph, the same inputs), without building them anew each step."""
-        if self._in_place is None or self.min_rows > 1:
+        in place like :meth:`base_forward`'s, valid until the next call (copy what must outlive it).
+        None where the graphs take no bound call (K/V not written in place, or one-token calls
+        padded to ``min_rows``): use :meth:`base_forward`. It computes what base_forward computes for
+        the same call (the same graph, the same inputs), on arrays bound once (graphs.sessions.BoundCall)."""
+        bound = self.bound_call(kv, 1) if self.min_rows == 1 else None
+        return None if bound is None else bound.step(roots, kv.lens[: kv.n])
+
+    def verify_trees(self, kv, trees: list, tokens: list) -> dict | None:
+        """One verify of every occupied row of ``kv``: row b's tree ``trees[b]`` with its tokens
+        ``tokens[b]`` after the row's length, padded to the widest; the outputs (n, S, ...) as
+        :meth:`plain_step`'s. None where the graphs take no bound call: use :meth:`base_forward`."""
+        width = max(len(t) for t in tokens)
+        bound = self.bound_call(kv, width) if width >= self.min_rows else None
+        return None if bound is None else bound.trees(trees, tokens, kv.lens[: kv.n], self.pad)
+
+    def bound_call(self, kv, s: int):
+        """The :class:`graphs.sessions.BoundCall` of ``s`` new tokens per occupied row of ``kv`` on the
+        graph :meth:`_graph_for` picks for such calls (their tree masks put every node after its
+        ancestors), growing ``kv`` first to hold them; None without in-place K/V."""
+        if self._in_place is None:
             return None
-        columns = kv.top() + 1
+        columns = kv.top() + s
         kv.reserve_columns(columns)
         one = self._one_sequence
-        run = one if one is not None and columns <= self._one_sequence_columns else self._in_place
-        return run.step_on(kv, roots)
+        fits = one is not None and columns <= self._one_sequence_columns
+        run = one if fits and (s == 1 or (kv.n == 1 and kv.lens[0] > 0)) else self._in_place  # as _graph_for
+        return run.bound_on(kv, s)
 
     def _forward(self, kv, ids, pos, tree_mask, rows) -> dict:
         if self._in_place is not None:

@@ -48,18 +48,21 @@ def greedy_accept(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> tuple[l
         t = int(np.argmax(logits[0]))
         check_finite(logits[0][t])
         return [0], t
-    tokens = np.asarray(tokens)
+    best = np.argmax(logits, axis=-1).tolist()  # (T,) the base's token after each node: one call
+    toks = np.asarray(tokens).tolist()
+    kids = tree.child_lists
     accepted = [0]
     n = 0
     while True:
-        t = int(np.argmax(logits[n]))
-        check_finite(logits[n][t])
-        kids = tree.children[n]
-        hit = np.flatnonzero(tokens[kids] == t)  # (≤ len(kids),) positions into kids
-        if hit.size == 0:
+        t = best[n]
+        check_finite(logits[n, t])
+        for c in kids[n]:  # priority order: the first child carrying t
+            if toks[c] == t:
+                n = c
+                accepted.append(n)
+                break
+        else:
             return accepted, t
-        n = int(kids[hit[0]])
-        accepted.append(n)
 
 
 def process_logits(logits: np.ndarray, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:

@@ -312,19 +312,25 @@ def _cpu_device():
         return None
 
 
-class _StepBinding:
-    """The arrays of :meth:`InPlaceRun.step_on` for n rows over buffers of ``capacity`` columns, bound
-    to the session once: OrtValues made over numpy arrays share their memory (CPU), so a step writes
-    the tokens and lengths into the arrays and runs the same binding."""
+class BoundCall:
+    """A call of S new tokens per row over the first n rows of a cache, bound to the session once
+    (:meth:`InPlaceRun.bound_on`): OrtValues made over numpy arrays share their memory (CPU), so a
+    call writes its tokens, positions and mask into the arrays below and runs the same binding.
 
-    def __init__(self, session, outputs: list, buffers: dict, n: int, capacity: int):
-        self.ids = np.zeros((n, 1), dtype=np.int64)  # (n, 1) the roots
-        self.pos = np.zeros((n, 1), dtype=np.int64)  # (n, 1) their positions: each row's length
-        self.write = np.zeros(n, dtype=np.int64)  # (n,) the column each row's new K/V goes to: the same
-        self.mask = np.zeros((n, 1, 1, capacity), dtype=bool)  # (n, 1, 1, capacity) columns <= length
-        self.mask_2d = self.mask.reshape(n, capacity)  # a view
-        self.columns = np.arange(capacity)[None, :]  # (1, capacity)
-        self.outputs = {name: np.zeros((n, 1, *dims), dtype=dtype) for name, dtype, dims in outputs}
+    ``ids``, ``pos`` (n, S) int64; ``write`` (n,) the column where row b's S new K/V rows go (its
+    length); ``mask`` (n, 1, S, capacity) bool, each new row's columns: the row's past, then the S
+    new columns at ``write[b]`` (the tree, :func:`graphs.kv.inplace_mask`); ``outputs`` (n, S, ...)
+    by name, refilled by each call (copy what must outlive the next one)."""
+
+    def __init__(self, session, outputs: list, buffers: dict, n: int, s: int, capacity: int):
+        self.session = session
+        self.ids = np.zeros((n, s), dtype=np.int64)
+        self.pos = np.zeros((n, s), dtype=np.int64)
+        self.write = np.zeros(n, dtype=np.int64)
+        self.mask = np.zeros((n, 1, s, capacity), dtype=bool)
+        self.columns = np.arange(capacity)  # (capacity,)
+        self.eye = np.eye(s, dtype=bool)  # (S, S): a padding row sees only itself
+        self.outputs = {name: np.zeros((n, s, *dims), dtype=dtype) for name, dtype, dims in outputs}
         self.io = session.io_binding()
         self.values = []  # the OrtValues over the arrays above: alive as long as the binding
         for name, arr in ((C.INPUT_IDS, self.ids), (C.POSITION_IDS, self.pos), (C.KV_WRITE, self.write),
@@ -339,17 +345,39 @@ class _StepBinding:
 
     def _value(self, arr: np.ndarray):
         if not arr.flags.c_contiguous:
-            raise ValueError("InPlaceRun.step_on: a bound array must be contiguous")
+            raise ValueError("BoundCall: a bound array must be contiguous")
         value = ort.OrtValue.ortvalue_from_numpy(arr)
         self.values.append(value)
         return value
 
-    def run(self, session, roots: np.ndarray, lens: np.ndarray) -> dict:
+    def step(self, roots, lens: np.ndarray) -> dict:
+        """A plain step (S == 1): ``roots`` (n,) each at its row's length ``lens`` (n,)."""
         self.ids[:, 0] = roots
         self.pos[:, 0] = lens
         self.write[:] = lens
-        np.less_equal(self.columns, lens[:, None], out=self.mask_2d)  # the past and the token itself
-        session.run_with_iobinding(self.io)
+        np.less_equal(self.columns, lens[:, None], out=self.mask[:, 0, 0])  # the past and the token itself
+        self.session.run_with_iobinding(self.io)
+        return self.outputs
+
+    def trees(self, trees: list, tokens: list, lens: np.ndarray, pad: int) -> dict:
+        """Row b verifies ``trees[b]`` (a :class:`graphs.trees.Tree` of k <= S nodes) with ``tokens[b]``
+        (k,) after its ``lens[b]`` columns; its other S - k rows are padding that sees only itself."""
+        n, s = self.ids.shape
+        self.ids.fill(pad)
+        self.pos[:] = lens[:, None]
+        self.write[:] = lens
+        np.less(self.columns, lens[:, None, None], out=self.mask[:, 0])  # every new row sees its row's past
+        for b in range(n):
+            tree, k, w = trees[b], len(tokens[b]), int(lens[b])
+            self.ids[b, :k] = tokens[b]
+            block = self.mask[b, 0, :, w : w + s]  # (S, S): the new rows' own columns
+            if k == 1:
+                block[...] = self.eye
+                continue
+            self.pos[b, :k] += tree.depth
+            block[...] = self.eye
+            block[:k, :k] = tree.mask
+        self.session.run_with_iobinding(self.io)
         return self.outputs
 
 
@@ -395,7 +423,7 @@ class InPlaceRun:
     def __init__(self, session: ort.InferenceSession, spec):
         self.session = session
         self.outputs = [n for n in spec.output_names if not n.startswith("present.")]
-        # what a plain step binds once (step_on): the outputs' dtypes and per-token dims, where every
+        # what a bound call binds once (bound_on): the outputs' dtypes and per-token dims, where every
         # non-K/V input is one of the step's four and every output is (batch, sequence, fixed dims...)
         small = {t.name for t in spec.inputs if not t.name.startswith("past_key_values.")}
         outs = [t for t in spec.outputs if not t.name.startswith("present.")]
@@ -426,28 +454,24 @@ class InPlaceRun:
         buffers = None if key in cache else (kv.feed() if rows is None else kv.feed(rows))
         return self.run(feed, buffers, cache, key)
 
-    def step_on(self, kv, roots: np.ndarray) -> dict | None:
-        """A plain step: one token per occupied row of ``kv`` (a :class:`graphs.slots.SlotCache`),
-        ``roots`` (n,) int, each written at its row's length. Returns the outputs by name, (n, 1, ...),
-        or None where this graph takes other inputs than the step's (then use :meth:`run_on`).
-
-        Every input and output of the step is an array bound once per (buffers, occupied rows) and
-        refilled in place: ``run`` binds the small inputs and wraps each output on every call, which
-        was most of the ~0.2 ms of Python around an autoregressive step (a fifth of a 19M int4 step).
-        The returned arrays belong to that binding: they hold this step's values until the next step
-        of the same rows; copy what must outlive it."""
+    def bound_on(self, kv, s: int) -> BoundCall | None:
+        """The :class:`BoundCall` of ``s`` new tokens for every occupied row of ``kv`` (a
+        :class:`graphs.slots.SlotCache`), made once per (buffers, occupied rows, s) and kept in
+        ``kv.bindings``; None where this graph takes other inputs than such a call's (then use
+        :meth:`run_on`). ``run`` binds the small inputs and wraps each output on every call, which
+        was most of the Python time around an autoregressive step (~0.1 ms, a fifth of a 19M int4
+        step): a bound call is refilled in place instead."""
         if self._step_outputs is None:
             return None
-        n = kv.n
         cache = kv.bindings.setdefault(self, {})
-        key = ("step", kv.generation, n)
+        key = ("bound", kv.generation, kv.n, s)
         bound = cache.get(key)
         if bound is None:
-            bound = _StepBinding(self.session, self._step_outputs, kv.feed(), n, kv.capacity)
-            for k in [k for k in cache if k[0] == "step"]:  # one step binding per graph: the rows changed
+            stale = [k for k in cache if k[0] == "bound" and (k[1], k[2]) != (kv.generation, kv.n)]
+            for k in stale:  # bindings of buffers or rows that are gone
                 del cache[k]
-            cache[key] = bound
-        return bound.run(self.session, roots, kv.lens[:n])
+            bound = cache[key] = BoundCall(self.session, self._step_outputs, kv.feed(), kv.n, s, kv.capacity)
+        return bound
 
     def run(self, feed: dict, buffers: dict, cache: dict | None = None, cache_key=None) -> dict:
         """``feed``: the small inputs (arrays), ``buffers``: ``past_key_values.*`` -> contiguous buffers.

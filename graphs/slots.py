@@ -16,6 +16,10 @@ assignment per buffer (rows, columns and node indices flattened)::
 
     cache[rows, :, lens[rows] + j] = present[rows, :, idx[rows, j]]     for j < counts[rows]
 
+All of them are views of one array, ``store`` (2 x layers, slots, ...): a move of columns (the
+compaction after a verify, a row that leaves, a growth) is one numpy operation over every layer,
+not one per buffer (24 on a 12-layer model: most of the Python time of a verify step's commit).
+
 Capacity grows in buckets (an amortised copy, an eighth at least) and never past
 ``max_len + headroom``, the budget fixed when the cache is made: ``budget_bytes`` is what the buffers
 can ever hold, ``allocated_bytes`` what they hold now. ``headroom`` leaves room past a full row for
@@ -48,13 +52,20 @@ class SlotCache:
         self.temp = 0  # temporary columns written at [top, top + temp) this step
         self.generation = 0  # bumped whenever the buffers are reallocated (bindings kept until then)
         self.bindings: dict = {}  # graph -> its IO bindings of these buffers (InPlaceRun.run_on; one thread)
-        self.keys = [self._alloc(0) for _ in range(num_layers)]
-        self.values = [self._alloc(0) for _ in range(num_layers)]
+        self._set_store(self._alloc(0))
 
     # ---------------------------------------------------------------- memory
 
     def _alloc(self, cap: int) -> np.ndarray:
-        return alloc_buffer(self.slots, self.kv_heads, cap, self.head_dim, self.dtype, self.layout)
+        """(2 * layers, slots, kv_heads, cap, head_dim): every K and V buffer, in ``layout``'s storage
+        (graphs.kv.alloc_buffer: for "bsh" the transposed view of (..., slots, cap, kv_heads, head_dim))."""
+        return alloc_buffer(self.slots, self.kv_heads, cap, self.head_dim, self.dtype, self.layout,
+                            lead=(2 * self.num_layers,))
+
+    def _set_store(self, store: np.ndarray) -> None:
+        self.store = store  # keys[i] is store[2i], values[i] store[2i + 1]: contiguous in their own layout
+        self.keys = [store[2 * i] for i in range(self.num_layers)]
+        self.values = [store[2 * i + 1] for i in range(self.num_layers)]
 
     @property
     def bytes_per_column(self) -> int:
@@ -81,19 +92,16 @@ class SlotCache:
             raise ValueError(f"SlotCache: {columns} columns exceed the budget of {self.limit}")
         cap = min(max(-(-columns // self.bucket) * self.bucket, self.capacity + self.capacity // 8), self.limit)
         top = int(self.lens[: self.n].max(initial=0)) + self.temp
-        for bufs in (self.keys, self.values):
-            for i, old in enumerate(bufs):
-                new = self._alloc(cap)
-                new[: self.n, :, :top] = old[: self.n, :, :top]
-                bufs[i] = new
+        new = self._alloc(cap)
+        new[:, : self.n, :, :top] = self.store[:, : self.n, :, :top]
+        self._set_store(new)
         self.capacity = cap
         self.generation += 1
 
     def shrink(self) -> None:
         """Give the memory back while no row is occupied (the next request allocates again)."""
         if self.n == 0 and self.capacity:
-            self.keys = [self._alloc(0) for _ in range(self.num_layers)]
-            self.values = [self._alloc(0) for _ in range(self.num_layers)]
+            self._set_store(self._alloc(0))
             self.capacity = 0
             self.generation += 1
 
@@ -116,9 +124,7 @@ class SlotCache:
         moved = None
         if b != last:
             w = int(self.lens[last])
-            for bufs in (self.keys, self.values):
-                for buf in bufs:
-                    buf[b, :, :w] = buf[last, :, :w]
+            self.store[:, b, :, :w] = self.store[:, last, :, :w]
             self.lens[b] = w
             moved = last
         self.lens[last] = 0
@@ -203,10 +209,9 @@ class SlotCache:
         b_loc, j = np.nonzero(keep)
         if b_loc.size:
             dst_rows, cols, src = rows[b_loc], lens[b_loc] + j, lens[b_loc] + idx[b_loc, j]
-            for bufs in (self.keys, self.values):
-                for buf in bufs:
-                    # the right side is gathered (a copy) before the write: overlapping moves are safe
-                    buf[dst_rows, :, cols] = buf[dst_rows, :, src]
+            # every layer's K and V at once; the right side is gathered (a copy) before the write, so
+            # overlapping moves are safe
+            self.store[:, dst_rows, :, cols] = self.store[:, dst_rows, :, src]
         self.lens[rows] += counts
 
     def top(self) -> int:

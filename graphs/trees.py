@@ -21,6 +21,7 @@ token *after* node ``i``. :mod:`graphs.sampling` walks ``children`` to accept a 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import math
@@ -96,6 +97,11 @@ class Tree:
             kids[p].append(i)
         children = [np.array(k, dtype=np.int64) for k in kids]
         return cls(parents, depth, mask, children, head=head, rank=rank, score=score)
+
+    @functools.cached_property
+    def child_lists(self) -> list[list[int]]:
+        """``children`` as Python lists (what the acceptance walks read, node by node)."""
+        return [c.tolist() for c in self.children]
 
     @property
     def size(self) -> int:

@@ -357,17 +357,17 @@ def test_the_runtime_runs_the_one_sequence_graph_where_its_kernel_can_and_the_ba
     assert one.token_ids == dec.generate([5, 9, 3], max_new_tokens=12, mode="autoregressive").token_ids
     calls = []
     for name, run in (("one", dec._one_sequence), ("base", dec._in_place)):
-        inner, inner_step = run.run_on, run.step_on
+        inner, inner_bound = run.run_on, run.bound_on
 
         def record(kv, feed, rows=None, name=name, inner=inner):
             calls.append((name, *feed[C.INPUT_IDS].shape))
             return inner(kv, feed, rows)
 
-        def record_step(kv, roots, name=name, inner=inner_step):  # a plain step: one token per row
-            calls.append((name, len(roots), 1))
-            return inner(kv, roots)
+        def record_bound(kv, s, name=name, inner=inner_bound):  # a decode step's call, bound once
+            calls.append((name, kv.n, s))
+            return inner(kv, s)
 
-        run.run_on, run.step_on = record, record_step
+        run.run_on, run.bound_on = record, record_bound
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 2, 9], [11], [3, 3, 8, 1, 2]]
     engine = dec.engine(EngineConfig(max_batch=3))
     got: dict[int, list[int]] = {}

@@ -1,11 +1,12 @@
-"""The plain step bound once (graphs.sessions.InPlaceRun.step_on, Decoder.plain_step, Engine._plain_step).
+"""Decode steps on calls bound once (graphs.sessions.BoundCall; Decoder.plain_step, verify_trees).
 
-An autoregressive step (every row verifies its root) runs on arrays bound to the session once per
-(buffers, occupied rows) and refilled in place, instead of the general path's new arrays, bindings
-and one-node trees each step. It must compute what ``Decoder.base_forward`` computes for the same
-call, step after step, across a growth of the K/V buffers and rows leaving; and the engine must
-decode exactly as the general path does (greedy and seeded sampling, requests arriving and leaving),
-taking the bound step wherever a step drafts nothing.
+A step's base call runs on arrays bound to the session once per (buffers, occupied rows, width) and
+refilled in place, instead of new arrays and new bindings each step: an autoregressive step (every
+row verifies its root, Engine._plain_step) and a verify of trees. Each must compute what
+``Decoder.base_forward`` computes for the same call, step after step, across a growth of the K/V
+buffers and rows leaving, on non-causal trees over rows of different lengths; and the engine must
+decode exactly as it does without them (greedy and seeded sampling, requests arriving and leaving),
+taking a bound call for every decode step.
 """
 
 from __future__ import annotations
@@ -93,6 +94,42 @@ def test_the_bound_step_computes_what_base_forward_computes(exports, name):
     assert outputs[0] is outputs[1]  # one binding, refilled (the caller copies what it keeps)
 
 
+@pytest.mark.parametrize("name", ["one-sequence", "bsh"])
+def test_a_bound_tree_verify_computes_what_base_forward_computes(exports, name):
+    """Non-causal trees of different sizes per row (a root-only row, padding up to the widest),
+    rows of different lengths with garbage past them: verify_trees against base_forward with the
+    engine's padded inputs, one row (the one-sequence graph's call where there is one) and three
+    (the base's); the same outputs for every real node and the same buffers."""
+    import graphs
+    from graphs.trees import Tree
+
+    dec = graphs.load(exports[name], provider="cpu", threads=1)
+    vocab = dec.manifest.source["vocab_size"]
+    rng = np.random.default_rng(2)
+
+    def tree(k):
+        return Tree.from_parents([-1] + [int(rng.integers(0, i)) for i in range(1, k)])
+
+    for lens, sizes in (([9], [6]), ([4, 13, 7], [5, 1, 3]), ([30, 2], [4, 4])):
+        fast, slow = _cache(dec, len(lens), 64), _cache(dec, len(lens), 64)
+        _fill([fast, slow], lens, rng)
+        trees = [tree(k) for k in sizes]
+        tokens = [rng.integers(0, vocab, k) for k in sizes]
+        got = dec.verify_trees(fast, trees, tokens)
+        n, width = len(lens), max(sizes)
+        ids = np.full((n, width), dec.pad, dtype=np.int64)
+        depth = np.zeros((n, width), dtype=np.int64)
+        tmask = np.broadcast_to(np.eye(width, dtype=bool), (n, width, width)).copy()
+        for b, (t, tok) in enumerate(zip(trees, tokens)):
+            ids[b, : t.size], depth[b, : t.size], tmask[b, : t.size, : t.size] = tok, t.depth, t.mask
+        want = dec.base_forward(slow, ids, slow.lens[:n, None] + depth, tmask)
+        for b, k in enumerate(sizes):
+            for out in (C.LOGITS, C.HIDDEN):
+                np.testing.assert_array_equal(got[out][b, :k], want[out][b, :k], err_msg=f"{out} {lens} row {b}")
+        for a, b_ in zip(fast.keys + fast.values, slow.keys + slow.values):
+            np.testing.assert_array_equal(a[:n], b_[:n], err_msg=f"K/V {lens}")
+
+
 def test_graphs_without_a_bound_step_say_so(exports):
     """The raw export (K/V concatenated) and one-token calls padded to two rows (min_rows 2) take the
     general path: plain_step returns None and changes nothing."""
@@ -107,6 +144,10 @@ def test_graphs_without_a_bound_step_say_so(exports):
         lens, cap = kv.lens.copy(), kv.capacity
         assert dec.plain_step(kv, np.array([1, 2])) is None
         assert np.array_equal(kv.lens, lens) and kv.capacity == cap
+    root = raw.medusa_tree([[0]])  # a two-node tree: raw graphs have no bound call at any width
+    kv = _cache(raw, 1, 64)
+    _fill([kv], [3], np.random.default_rng(1))
+    assert raw.verify_trees(kv, [root], [np.array([1, 2])]) is None
 
 
 def _decode(dec, requests: list[dict], max_batch: int = 3) -> tuple[list, int]:
@@ -130,10 +171,11 @@ def _decode(dec, requests: list[dict], max_batch: int = 3) -> tuple[list, int]:
     return [tuple(got[i]) for i in ids], engine.totals.plain_steps
 
 
-def test_the_engine_decodes_plain_steps_on_the_bound_step_exactly_as_the_general_path(exports):
-    """Greedy and seeded sampled requests, with speculation off and adaptive, arriving and leaving:
-    every token and text equal to the general path's (plain_step disabled), and the bound step
-    taking every step that drafts nothing (none of the general path's one-token calls remain)."""
+def test_the_engine_decodes_on_bound_calls_exactly_as_without_them(exports):
+    """Greedy and seeded sampled requests, with speculation off, on and adaptive, arriving and
+    leaving: every token and text equal to the engine's without bound calls (plain_step and
+    verify_trees disabled), every decode step on a bound call (none of the per-call bindings left),
+    each step that drafts nothing on a bound step of one token per row."""
     import graphs
 
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 2, 9], [11, 2], [3, 3, 8, 1, 2], [4, 4], [9, 8, 7, 6]]
@@ -143,29 +185,30 @@ def test_the_engine_decodes_plain_steps_on_the_bound_step_exactly_as_the_general
     requests = [dict(prompt=p, max_new_tokens=10 + 3 * i, **s) for i, (p, s) in enumerate(zip(prompts, settings))]
 
     fast = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
-    calls = {"step": 0, "one-token run_on": 0}
-    rows = []  # rows of each bound step
+    bound = []  # (rows, width) of each bound call
+    unbound = []  # the per-call runs left: prefill only (the prompts' chunks)
     for run in (fast._one_sequence, fast._in_place):
-        step_on, run_on = run.step_on, run.run_on
+        bound_on, run_on = run.bound_on, run.run_on
 
-        def counted_step(kv, roots, inner=step_on):
-            calls["step"] += 1
-            rows.append(len(roots))
-            return inner(kv, roots)
+        def counted_bound(kv, s, inner=bound_on):
+            bound.append((kv.n, s))
+            return inner(kv, s)
 
         def counted_run(kv, feed, rows=None, inner=run_on):
-            calls["one-token run_on"] += feed[C.INPUT_IDS].shape[1] == 1
+            unbound.append(feed[C.INPUT_IDS].shape)
             return inner(kv, feed, rows)
 
-        run.step_on, run.run_on = counted_step, counted_run
+        run.bound_on, run.run_on = counted_bound, counted_run
     got, plain = _decode(fast, requests)
 
     general = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
-    general.plain_step = lambda kv, roots: None
+    general.plain_step = general.verify_trees = lambda kv, *a: None
     want, _ = _decode(general, requests)
     assert got == want
-    assert calls == {"step": plain, "one-token run_on": 0} and plain > 10, (calls, plain)
-    assert max(rows) == 3  # steps of several rows (some of them still prefilling) took it too
+    assert sum(b for b, _ in unbound) == len(requests), unbound  # each prompt's one prefill, nothing else
+    assert sum(s == 1 for _, s in bound) == plain > 10, (bound, plain)
+    assert any(s > 1 for _, s in bound)  # trees verified on bound calls too
+    assert max(n for n, _ in bound) == 3  # calls of several rows (some of them still prefilling)
     # and the general path is what the bound step replaces: greedy autoregressive, request by request
     for (tokens, text), req in zip(got, requests):
         if req.get("temperature") is None:
