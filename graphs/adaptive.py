@@ -39,6 +39,7 @@ sampling) measured (:meth:`Planner.prior`); costs are the machine's and carry fr
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass
 
@@ -119,14 +120,14 @@ def counterfactual_gain(tree: Tree, accepted: list[int]) -> np.ndarray:
     rank = _RANKS.get(tree)
     if rank is None:
         score = tree.score if tree.score is not None else -np.arange(t, dtype=np.float64)
-        rank = np.empty(t, dtype=np.int64)
-        rank[np.argsort(-score[1:], kind="stable") + 1] = np.arange(1, t)
-        rank[0] = 0
-        _RANKS[tree] = rank
-    r = np.sort(rank[np.asarray(accepted[1:], dtype=np.int64)])  # ranks along the accepted path
+        order = np.empty(t, dtype=np.int64)
+        order[np.argsort(-score[1:], kind="stable") + 1] = np.arange(1, t)
+        order[0] = 0
+        rank = _RANKS[tree] = order.tolist()
+    r = sorted(rank[a] for a in accepted[1:])  # ranks along the accepted path
     # scores fall along a path, so the sorted ranks are the path's order: the best-n tree keeps
-    # exactly the path nodes ranked below n, a prefix of the path
-    return 1.0 + np.searchsorted(r, np.arange(1, t + 1), side="left")
+    # exactly the path nodes ranked below n, a prefix of the path (plain Python: every drafted step)
+    return np.array([1.0 + bisect.bisect_left(r, n) for n in range(1, t + 1)])
 
 
 _RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tree -> node ranks (static trees recur)
@@ -171,8 +172,8 @@ class RowGains:
         counterfactual gains (tree.size,) it measured."""
         g = counterfactual_gain(tree, accepted)
         n = min(tree.size, self.t)
-        row = self.gain[:n]
-        self.gain[:n] = np.where(np.isnan(row), g[:n], (1 - self.ema) * row + self.ema * g[:n])
+        e = self.ema
+        self.gain[:n] = [y if x != x else (1 - e) * x + e * y for x, y in zip(self.gain[:n].tolist(), g[:n].tolist())]
         return g[:n]
 
     def predicted(self) -> np.ndarray:
@@ -180,16 +181,17 @@ class RowGains:
         cut to n nodes tells nothing about n + 1, and guessing "all accepted" there made every cut
         look like a bargain); with nothing known past a plain step, every size is assumed fully
         accepted (optimistic, so it gets measured)."""
-        g = self.gain.copy()
-        unknown = np.isnan(g)
-        if unknown.any():
-            k = int(np.argmax(unknown))  # sizes 1..k are known
+        g = self.gain.tolist()  # (plain Python: called for every row at every decision)
+        k = next((i for i, x in enumerate(g) if x != x), None)  # the first unknown: sizes 1..k are known
+        if k is not None:
             if k >= 2:
                 step = max(g[k - 1] - g[k - 2], 0.0)
-                g[k:] = g[k - 1] + step * np.arange(1, self.t - k + 1)
+                g[k:] = [g[k - 1] + step * i for i in range(1, self.t - k + 1)]
             else:
-                g[unknown] = np.arange(1, self.t + 1)[unknown]
-        return np.maximum.accumulate(g)  # a larger tree never emits fewer tokens
+                g = [i + 1.0 if x != x else x for i, x in enumerate(g)]
+        for i in range(1, self.t):  # a larger tree never emits fewer tokens
+            g[i] = max(g[i], g[i - 1])
+        return np.array(g)
 
 
 class Costs:
@@ -227,21 +229,30 @@ class Costs:
     def _estimate(self, table: dict, x):
         """Measured, else linear between measured points; past the largest, proportional to it (a
         larger call is compute-bound: pessimistic until measured); below the smallest, the smallest.
-        ``x``: a number or an array of them."""
+        ``x``: a number or an array of them. The tables hold a few sizes each and change every step,
+        so they are kept sorted as Python lists and a number is estimated without numpy (a step's
+        planning is otherwise a dozen small array operations, each slow right after a graph call)."""
         if not table:
             return np.full(np.shape(x), np.nan) if np.ndim(x) else np.nan
         cached = self._sorted.get(id(table))
         if cached is None:
-            xs = np.fromiter(table, dtype=np.float64, count=len(table))
-            order = np.argsort(xs)
-            xs = xs[order]
-            ys = np.fromiter(table.values(), dtype=np.float64, count=len(table))[order]
-            ys = np.maximum.accumulate(ys)  # a call over more rows never costs less (noise can say it does)
+            xs, ys, top = [], [], -np.inf
+            for k, v in sorted(table.items()):
+                top = max(top, v)  # a call over more rows never costs less (noise can say it does)
+                xs.append(float(k))
+                ys.append(top)
             cached = self._sorted[id(table)] = (xs, ys)
         xs, ys = cached
-        x = np.asarray(x, dtype=np.float64)
-        out = np.where(x > xs[-1], ys[-1] * x / xs[-1], np.interp(x, xs, ys))
-        return float(out) if out.ndim == 0 else out
+        if np.ndim(x):
+            x = np.asarray(x, dtype=np.float64)
+            return np.where(x > xs[-1], ys[-1] * x / xs[-1], np.interp(x, xs, ys))
+        x = float(x)
+        if x >= xs[-1]:
+            return ys[-1] * x / xs[-1]
+        i = bisect.bisect_left(xs, x)
+        if xs[i] == x or i == 0:
+            return ys[i]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
 
     def verify_cost(self, tokens):
         return self._estimate(self.verify, tokens)
@@ -319,8 +330,10 @@ class Planner:
         ``modes`` (B,): IDLE / SPEC_OFF / SPEC_ON / SPEC_ADAPTIVE; ``full`` (B,): each row's full tree
         size; ``gains``: per row, its :meth:`RowGains.predicted` (SPEC_ON and SPEC_ADAPTIVE rows), or a
         callable returning that list (called only when a decision is made)."""
-        modes, full = np.asarray(modes), np.asarray(full)
-        key = (modes.tobytes(), full.tobytes())
+        # plain Python over the rows: a step's decision was two dozen small numpy operations, each
+        # slow right after a graph call has flushed the CPU caches (~0.1 ms a step)
+        modes, full = [int(m) for m in modes], [int(t) for t in full]
+        key = (tuple(modes), tuple(full))
         self.fast = False
         if self._reuse > 0 and key == self._reused_for and self.plain_run < self.wait:
             self._reuse -= 1  # plain lately, the same rows: only the probe counter moves
@@ -334,22 +347,23 @@ class Planner:
             self._clear = False
             width = self._width(modes, full, gains() if callable(gains) else gains)
             self._reuse, self._fast_left, self._reused_for = 0, 0, None
-            if width == 1 and (modes == SPEC_ADAPTIVE).any() and self.plain_run > 0:
+            if width == 1 and SPEC_ADAPTIVE in modes and self.plain_run > 0:
                 self._reuse, self._reused_for = self.cfg.recheck_every - 1, key
             elif self._clear:
                 self._fast_left, self._reused_for = self.cfg.recheck_every - 1, key
         self.history.append(width)
         self.last_width = width
-        sizes = np.where(modes == SPEC_ADAPTIVE, np.minimum(width, full), 1)
-        sizes = np.where(modes == SPEC_ON, full, sizes)
-        return np.where(modes == IDLE, 0, sizes).astype(np.int64)
+        sizes = [0 if m == IDLE else t if m == SPEC_ON else min(width, t) if m == SPEC_ADAPTIVE else 1
+                 for m, t in zip(modes, full)]
+        return np.array(sizes, dtype=np.int64)
 
-    def _width(self, modes, full, gains) -> int:
-        rows = modes.shape[0]
-        on, adapt = modes == SPEC_ON, modes == SPEC_ADAPTIVE
-        w_min = int(full[on].max(initial=1))
-        w_max = int(full[on | adapt].max(initial=1))
-        if not adapt.any() or w_max <= w_min:
+    def _width(self, modes: list[int], full: list[int], gains) -> int:
+        rows = len(modes)
+        on = [b for b, m in enumerate(modes) if m == SPEC_ON]
+        adapt = [b for b, m in enumerate(modes) if m == SPEC_ADAPTIVE]
+        w_min = max([full[b] for b in on], default=1)
+        w_max = max([full[b] for b in on + adapt], default=1)
+        if not adapt or w_max <= w_min:
             return w_min
         c = self.costs
         if not c.draft:  # nothing drafted yet: speculate, to measure it
@@ -358,23 +372,21 @@ class Planner:
             self.probing = False
             return 1  # one plain step to learn what not speculating costs
         # tokens(W) for every W in w_min..w_max: adaptive rows at min(W, T_b), on rows at T_b, others 1
-        widths = np.arange(w_min, w_max + 1)
-        tok = np.zeros(widths.size)
-        for b in np.flatnonzero(on | adapt):
-            g = gains[b]
-            if on[b]:
-                tok += g[full[b] - 1]
+        fixed = float(modes.count(SPEC_OFF)) + sum(float(gains[b][full[b] - 1]) for b in on)
+        adaptive = [(gains[b].tolist(), full[b]) for b in adapt]
+        extra = c.draft_cost(rows) + c.host_cost(True, rows)
+        best, top, plain = w_min, -np.inf, None
+        for w in range(w_min, w_max + 1):
+            tok = fixed + sum(g[min(w, t) - 1] for g, t in adaptive)
+            if w == 1:  # a plain step has no drafter call and the plain host time
+                rate = plain = self.rate(1, rows, tok)
             else:
-                tok += g[np.minimum(widths, full[b]) - 1]
-        tok += (modes == SPEC_OFF).sum()
-        rates = tok / (c.verify_cost(rows * widths) + c.draft_cost(rows) + c.host_cost(True, rows))
-        if widths[0] == 1:  # a plain step has no drafter call and the plain host time
-            rates[0] = self.rate(1, rows, float(tok[0]))
-        best = int(widths[int(np.argmax(rates))])
+                rate = tok / (c.verify_cost(rows * w) + extra)
+            if top == top and (rate > top or rate != rate):  # the first best; a nan (unmeasured) wins, as in argmax
+                best, top = w, rate
         if w_min > 1:
             return best
-        plain = self.rate(1, rows, float(tok[0]))
-        paid = rates.max() >= self.cfg.margin * plain and best > 1
+        paid = top >= self.cfg.margin * plain and best > 1
         was_probe, self.probing = self.probing, False
         if was_probe:  # did the probe win? probe more often again; else wait longer next time
             self.wait = (max(self.wait // 2, self.cfg.probe_every) if paid
@@ -383,7 +395,7 @@ class Planner:
             if self.last_width > 1 and not was_probe:
                 self.wait = self.cfg.probe_every  # drafted steps in a row, still paying
             self.plain_run = 0
-            self._clear = best == w_max and rates.max() >= self.cfg.fast_margin * plain
+            self._clear = best == w_max and top >= self.cfg.fast_margin * plain
             return best
         self.plain_run += 1
         if self.plain_run > self.wait:  # probe: full trees for all, to measure the gains again
