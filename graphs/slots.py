@@ -205,6 +205,14 @@ class SlotCache:
         """Rows written in place at ``lens`` (node j at column lens + j): node ``idx[b, j]`` moves to
         column ``lens[b] + j`` for j < counts[b]. Nodes already in place (a prefill, a plain step, a
         chain's accepted prefix) move nothing; the others are a few small copies per buffer."""
+        if rows.shape[0] == 1:  # one row (a request alone): the moves as Python lists, one copy of them
+            r, w, c = int(rows[0]), int(lens[0]), int(counts[0])
+            moves = [(w + j, w + x) for j, x in enumerate(idx[0, :c].tolist()) if x != j]
+            if moves:
+                dst, src = (list(m) for m in zip(*moves))
+                self.store[:, r, :, dst] = self.store[:, r, :, src]  # every layer; the right side is a copy
+            self.lens[r] += c
+            return
         keep = (np.arange(idx.shape[1])[None, :] < counts[:, None]) & (idx != np.arange(idx.shape[1])[None, :])
         b_loc, j = np.nonzero(keep)
         if b_loc.size:

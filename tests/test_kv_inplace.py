@@ -141,11 +141,14 @@ def test_in_place_equals_concat_on_trees_with_rows_of_different_lengths(pair, se
             assert np.array_equal(bufs[j][b, :, outside], before[j][b, :, outside]), f"{n} row {b}: wrote outside"
 
 
-def test_slot_cache_commit_in_place_equals_copy_in():
+@pytest.mark.parametrize(("one_row", "layout"), [(False, "bhsd"), (True, "bhsd"), (True, "bsh")])
+def test_slot_cache_commit_in_place_equals_copy_in(one_row, layout):
+    """The in-place compaction (every layer in one move; a row alone as Python lists) against the
+    copy-in commit: a tree path, a chain prefix, a jump back."""
     rng = np.random.default_rng(3)
     layers, slots, kvh, hd, s = 2, 3, 2, 4, 5
-    a = SlotCache(layers, slots, kvh, hd, np.float32, max_len=32, headroom=8)
-    b = SlotCache(layers, slots, kvh, hd, np.float32, max_len=32, headroom=8)
+    a = SlotCache(layers, slots, kvh, hd, np.float32, max_len=32, headroom=8, layout=layout)
+    b = SlotCache(layers, slots, kvh, hd, np.float32, max_len=32, headroom=8, layout=layout)
     for c in (a, b):
         for _ in range(slots):
             c.add_row()
@@ -163,7 +166,11 @@ def test_slot_cache_commit_in_place_equals_copy_in():
             buf[r, :, starts[r] : starts[r] + s] = presents[j][r]
     idx = np.array([[0, 2, 4], [0, 1, 0], [0, 3, 0]])  # a tree path, a chain prefix, a jump
     counts = np.array([3, 2, 2])
-    a.commit(None, idx, counts)
+    if one_row:  # each row committed alone (first=r), as a request alone in its engine is
+        for r in range(slots):
+            a.commit(None, idx[r : r + 1], counts[r : r + 1], first=r)
+    else:
+        a.commit(None, idx, counts)
     b.commit(presents, idx, counts)
     assert np.array_equal(a.lens, b.lens)
     for i in range(layers):
