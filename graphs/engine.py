@@ -477,20 +477,20 @@ class Engine:
             return None
         t_verify = time.perf_counter() - t0
         n = len(live)
-        logits = out[C.LOGITS][:, 0]  # (n, V): the distribution after each row's root
-        best = logits.argmax(axis=1)  # (n,) greedy rows' tokens
+        logits = out[C.LOGITS]  # (n, 1, V): the distribution after each row's root
         tree = root_only()
-        bonus, counts = [0] * n, np.zeros(n, dtype=np.int64)
+        bonus, counts = [0] * n, [0] * n
         for b, req in enumerate(live):
             if req is None:
                 continue
             counts[b] = 1
             if req.sampler.temperature == 0:
-                bonus[b] = int(best[b])
-                check_finite(logits[b, bonus[b]])
+                row = logits[b, 0]
+                bonus[b] = int(row.argmax())
+                check_finite(row[bonus[b]])
             else:  # the sampler's own draw, as the general path makes it (the same random stream)
-                bonus[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b : b + 1])[1]
-        self.kv.commit(self.dec.presents(out), np.zeros((n, 1), dtype=np.int64), counts)
+                bonus[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
+        self.kv.keep_new(counts)  # each decoding row keeps the one column the graph wrote
         if any(r is not None and r.draft is not None for r in live):  # drafter state to keep up to date
             accepted = [None if r is None else [0] for r in live]
             cands = [np.array([x], dtype=np.int64) for x in roots]
@@ -503,7 +503,8 @@ class Engine:
             if req is None:
                 continue
             req.stats.plain_steps += 1
-            ev = self._accepted(req, tree, roots[b : b + 1], [0], bonus[b], t_verify, watchers)
+            cand = np.array(roots[b : b + 1], dtype=np.int64) if watchers else None  # (only watchers read it)
+            ev = self._accepted(req, tree, cand, [0], bonus[b], t_verify, watchers)
             if ev is not None:
                 events.append(ev)
         self.planner.costs.add_host(False, time.perf_counter() - t_start - t_verify, n)

@@ -201,6 +201,11 @@ class SlotCache:
                 self.values[i][dst_rows, :, cols] = presents[2 * i + 1][b_loc, :, nodes]
         self.lens[rows] += counts
 
+    def keep_new(self, counts: list) -> None:
+        """A plain step written in place: row b keeps the ``counts[b]`` (0 or 1) column the graph wrote
+        at its length (what :meth:`commit` does for it, without its index arrays)."""
+        self.lens[: len(counts)] += counts
+
     def _compact(self, rows: np.ndarray, lens: np.ndarray, idx: np.ndarray, counts: np.ndarray) -> None:
         """Rows written in place at ``lens`` (node j at column lens + j): node ``idx[b, j]`` moves to
         column ``lens[b] + j`` for j < counts[b]. Nodes already in place (a prefill, a plain step, a
