@@ -303,13 +303,14 @@ class Planner:
     def learn(self, key, gains: np.ndarray) -> None:
         """Fold one drafted step's gains (a prefix of sizes) into the setting's long-run mean (a plain
         mean of the first 50 observations, then a slow average)."""
-        mean, n = self._priors.get(key, (np.full(gains.shape[0], np.nan), 0))
-        if mean.shape[0] < gains.shape[0]:
-            mean = np.concatenate([mean, np.full(gains.shape[0] - mean.shape[0], np.nan)])
+        k = gains.shape[0]
+        mean, n = self._priors.get(key, (np.full(k, np.nan), 0))
+        if mean.shape[0] < k:
+            mean = np.concatenate([mean, np.full(k - mean.shape[0], np.nan)])
         n += 1
         w = max(1.0 / n, 0.02)
-        old = mean[: gains.shape[0]]
-        mean[: gains.shape[0]] = np.where(np.isnan(old), gains, (1 - w) * old + w * gains)
+        # plain Python over the few sizes (every drafted step; numpy's calls are slow after a graph call)
+        mean[:k] = [y if x != x else (1 - w) * x + w * y for x, y in zip(mean[:k].tolist(), gains.tolist())]
         self._priors[key] = (mean, n)
 
     @property

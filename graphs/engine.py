@@ -384,7 +384,7 @@ class Engine:
             full = np.array([1 if r is None else r.tree_size for r in live], dtype=np.int64)
             sizes = self.planner.plan(modes, full, lambda: [None if r is None or r.gains is None
                                                             else r.gains.predicted() for r in live])
-            drafted = bool((sizes > 1).any())
+            drafted = int(sizes.max()) > 1
         else:  # nobody may speculate: nothing to decide
             sizes, drafted = None, False
         if not drafted:
@@ -413,18 +413,16 @@ class Engine:
             out = self.dec.base_forward(self.kv, ids, pos, tmask)
         t_verify = time.perf_counter() - t0
         accepted, bonus = [None] * n, [0] * n
-        counts = np.zeros(n, dtype=np.int64)
+        logits = out[C.LOGITS]
         for b, req in enumerate(live):
             if req is None:
                 continue
             tree, cand = proposals[b]
-            accepted[b], bonus[b] = req.sampler.accept(tree, cand, out[C.LOGITS][b, : tree.size])
-            counts[b] = len(accepted[b])
-        idx = np.zeros((n, max(int(counts.max()), 1)), dtype=np.int64)
-        for b, a in enumerate(accepted):
-            if a is not None:
-                idx[b, : len(a)] = a
-        self.kv.commit(self.dec.presents(out), idx, counts)
+            accepted[b], bonus[b] = req.sampler.accept(tree, cand, logits[b, : tree.size])
+        counts = [0 if a is None else len(a) for a in accepted]
+        m = max(max(counts), 1)
+        idx = np.array([[0] * m if a is None else a + [0] * (m - len(a)) for a in accepted], dtype=np.int64)  # (n, m)
+        self.kv.commit(self.dec.presents(out), idx, np.array(counts, dtype=np.int64))
         self.proposer.advance(live, out, accepted, bonus, cands, sizes)
         # costs and gains (the planner), statistics, emitted tokens
         self.planner.costs.add_verify(n * width, t_verify)

@@ -98,14 +98,19 @@ class Medusa(Plain):
                 self._trees.clear()
             # nodes scored by assumed acceptance, so best-n cuts are ancestor-closed
             self._trees[key] = {"tree": dataclasses.replace(t, score=static_scores(t))}
-        return {"hidden": None, "tree": self._trees[key]["tree"], "cuts": self._trees[key]}
+        tree = self._trees[key]["tree"]
+        return {"hidden": None, "tree": tree, "cuts": self._trees[key], "topk": int(tree.rank.max()) + 1}
 
     @staticmethod
     def _cut(state: dict, n: int):
+        """(tree cut to its best ``n`` nodes (the whole tree for n >= its size), each non-root node's
+        (head, rank) of the drafter's top-k it takes its token from), computed once per tree and n."""
         cuts = state["cuts"]
         if n not in cuts:
-            keep = cut_tree(state["tree"], n)
-            cuts[n] = (keep, sub_tree(state["tree"], keep))
+            full = state["tree"]
+            keep = cut_tree(full, n) if n < full.size else np.arange(full.size)
+            tree = full if n >= full.size else sub_tree(full, keep)
+            cuts[n] = (tree, full.head[keep[1:]], full.rank[keep[1:]])
         return cuts[n]
 
     def prefilled(self, req, b, out, start, end, root) -> float:
@@ -119,16 +124,19 @@ class Medusa(Plain):
         if not drafting:
             return result, 0.0, 0
         hidden = np.stack([rows[b].draft["hidden"] for b in drafting])[:, None]  # (D, 1, H)
-        k = max(int(rows[b].draft["tree"].rank.max()) + 1 for b in drafting)
+        k = max(rows[b].draft["topk"] for b in drafting)
         t0 = time.perf_counter()
         (ids,) = self.rt.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden, C.TOPK_IN: np.array([k], dtype=np.int64)})
         t_draft = time.perf_counter() - t0
         for j, b in enumerate(drafting):  # ids (D, 1, heads, K)
-            tree = rows[b].draft["tree"]
-            cand = medusa_candidates_batch(tree, np.array([rows[b].root]), ids[j : j + 1, 0])[0]  # (T,)
-            if sizes[b] < tree.size:
-                keep, tree = self._cut(rows[b].draft, int(sizes[b]))
-                cand = cand[keep]
+            state = rows[b].draft
+            if "checked" not in state:  # the drafter's output holds every (head, rank) the tree reads
+                medusa_candidates_batch(state["tree"], np.array([rows[b].root]), ids[j : j + 1, 0])
+                state["checked"] = True
+            tree, heads, ranks = self._cut(state, int(sizes[b]))
+            cand = np.empty(tree.size, dtype=np.int64)  # (T,) what medusa_candidates gives, cut
+            cand[0] = rows[b].root
+            cand[1:] = ids[j, 0, heads, ranks]
             result[b] = (tree, cand)
         return result, t_draft, 1
 
