@@ -230,3 +230,29 @@ def test_generate_decodes_its_text_once_and_says_what_the_stream_says(exports):
     stop = full[len(full) // 2 : len(full) // 2 + 2]
     cut = dec.generate([5, 9, 3], mode="autoregressive", max_new_tokens=24, stop=stop)
     assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+
+
+def test_bound_calls_kept_are_few(exports):
+    """Each bound call holds its outputs (rows x width x vocabulary): a cache keeps those of its
+    current buffers and rows only, and of the last few widths; the one used last is kept."""
+    import graphs
+    from graphs.sessions import BOUND_WIDTHS
+
+    dec = graphs.load(exports["bsh"], provider="cpu", threads=1)
+    kv = _cache(dec, 3, 64)
+    _fill([kv], [4, 9, 2], np.random.default_rng(5))
+    kv.reserve(40)  # room for every width below: the buffers stay the same memory
+
+    def runs():
+        return [k for k in kv.bindings[dec._in_place] if k[0] == "bound"]
+
+    for s in range(1, 9):
+        dec.bound_call(kv, s)
+        assert len(runs()) <= BOUND_WIDTHS
+    assert sorted(k[3] for k in runs()) == list(range(9 - BOUND_WIDTHS, 9))
+    dec.bound_call(kv, 5)  # reused, now the most recent: the oldest width goes next
+    dec.bound_call(kv, 1)
+    assert sorted(k[3] for k in runs()) == [1, 5, 7, 8]
+    kv.remove_row(2)  # other rows: the bindings of three rows are dropped at the next call
+    dec.bound_call(kv, 1)
+    assert [k[2:] for k in runs()] == [(2, 1)]
