@@ -247,12 +247,13 @@ class Costs:
             x = np.asarray(x, dtype=np.float64)
             return np.where(x > xs[-1], ys[-1] * x / xs[-1], np.interp(x, xs, ys))
         x = float(x)
-        if x >= xs[-1]:
+        if x > xs[-1]:
             return ys[-1] * x / xs[-1]
         i = bisect.bisect_left(xs, x)
         if xs[i] == x or i == 0:
             return ys[i]
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])  # numpy.interp's own arithmetic, to the last bit
+        return slope * (x - xs[i - 1]) + ys[i - 1]
 
     def verify_cost(self, tokens):
         return self._estimate(self.verify, tokens)

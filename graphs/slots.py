@@ -50,7 +50,7 @@ class SlotCache:
         self.n = 0  # occupied rows: 0 .. n-1
         self.lens = np.zeros(slots, dtype=np.int64)  # (slots,) committed columns per row
         self.temp = 0  # temporary columns written at [top, top + temp) this step
-        self.generation = 0  # bumped whenever the buffers are reallocated (bindings kept until then)
+        self.generation = 0  # bumped whenever the buffers are reallocated (the bindings of the old ones dropped)
         self.bindings: dict = {}  # graph -> its IO bindings of these buffers (InPlaceRun.run_on; one thread)
         self._set_store(self._alloc(0))
 
@@ -97,6 +97,7 @@ class SlotCache:
         self._set_store(new)
         self.capacity = cap
         self.generation += 1
+        self.bindings.clear()  # every binding holds the old buffers: they would stay alive
 
     def shrink(self) -> None:
         """Give the memory back while no row is occupied (the next request allocates again)."""
@@ -104,6 +105,7 @@ class SlotCache:
             self._set_store(self._alloc(0))
             self.capacity = 0
             self.generation += 1
+            self.bindings.clear()  # the bindings hold the old buffers: the memory goes back only without them
 
     # ---------------------------------------------------------------- rows
 

@@ -530,3 +530,24 @@ def test_carry_copies_costs_and_priors():
     assert a.costs.verify == {2: 1.0} and a.prior("k").tolist() == [1.0, 2.0]
     c = Planner().carry(None)
     assert not c.costs.verify and c.priors == {}
+
+
+def test_cost_estimates_are_numpys_to_the_last_bit():
+    """Costs._estimate computes a number in plain Python (each numpy call is slow right after a graph
+    call): the same value as numpy's interpolation, to the last bit, so the policy's ties break as
+    they did (a measured size, one between two, below the smallest, past the largest)."""
+    import random
+
+    from graphs.adaptive import Costs
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        table = {k: rng.random() * 1e-2 for k in rng.sample(range(1, 40), rng.randint(1, 6))}
+        costs = Costs()
+        costs.verify = table
+        x = rng.choice([rng.randint(0, 60), rng.random() * 60, max(table)])
+        xs = np.array(sorted(table), dtype=np.float64)
+        ys = np.maximum.accumulate(np.array([table[k] for k in sorted(table)]))
+        want = float(np.where(x > xs[-1], ys[-1] * x / xs[-1], np.interp(x, xs, ys)))
+        assert costs.verify_cost(x) == want, (table, x)
+        assert costs.verify_cost(np.array([x]))[0] == want

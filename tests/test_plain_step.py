@@ -256,3 +256,25 @@ def test_bound_calls_kept_are_few(exports):
     kv.remove_row(2)  # other rows: the bindings of three rows are dropped at the next call
     dec.bound_call(kv, 1)
     assert [k[2:] for k in runs()] == [(2, 1)]
+
+
+def test_the_k_v_memory_goes_back_when_the_last_request_leaves(exports):
+    """The bindings hold the K/V buffers they were made on: when the buffers grow or the last request
+    leaves (the engine gives the memory back), they are dropped with them."""
+    import gc
+    import weakref
+
+    import graphs
+    from graphs.engine import EngineConfig
+
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    engine = dec.engine(EngineConfig(max_batch=2))
+    engine.add_request([5, 9, 3], max_new_tokens=40, speculation="adaptive")
+    stores = []
+    while engine.has_pending_requests():
+        engine.step()
+        if engine.kv.capacity and (not stores or stores[-1]() is not engine.kv.store.base):
+            stores.append(weakref.ref(engine.kv.store.base if engine.kv.store.base is not None else engine.kv.store))
+    gc.collect()
+    assert engine.kv.capacity == 0 and len(stores) >= 2  # it grew at least once, then gave it all back
+    assert all(ref() is None for ref in stores), "a binding kept an old K/V buffer alive"
