@@ -374,16 +374,22 @@ class Planner:
             self.probing = False
             return 1  # one plain step to learn what not speculating costs
         # tokens(W) for every W in w_min..w_max: adaptive rows at min(W, T_b), on rows at T_b, others 1
-        fixed = float(modes.count(SPEC_OFF)) + sum(float(gains[b][full[b] - 1]) for b in on)
-        adaptive = [(gains[b].tolist(), full[b]) for b in adapt]
-        extra = c.draft_cost(rows) + c.host_cost(True, rows)
+        # (summed in the order the numpy version summed, row by row then the plain rows, so that
+        # ties between widths break as they did, to the last bit)
+        drafting = [(gains[b].tolist(), full[b], modes[b] == SPEC_ON) for b in range(rows)
+                    if modes[b] in (SPEC_ON, SPEC_ADAPTIVE)]
+        n_off = modes.count(SPEC_OFF)
+        draft, host = c.draft_cost(rows), c.host_cost(True, rows)
         best, top, plain = w_min, -np.inf, None
         for w in range(w_min, w_max + 1):
-            tok = fixed + sum(g[min(w, t) - 1] for g, t in adaptive)
+            tok = 0.0
+            for g, t, always in drafting:
+                tok += g[t - 1] if always else g[min(w, t) - 1]
+            tok += n_off
             if w == 1:  # a plain step has no drafter call and the plain host time
                 rate = plain = self.rate(1, rows, tok)
             else:
-                rate = tok / (c.verify_cost(rows * w) + extra)
+                rate = tok / (c.verify_cost(rows * w) + draft + host)
             if top == top and (rate > top or rate != rate):  # the first best; a nan (unmeasured) wins, as in argmax
                 best, top = w, rate
         if w_min > 1:

@@ -113,6 +113,7 @@ class KVCache(Columns):
                 bufs[i] = new
         self._grow_valid(cap)
         self.generation += 1
+        self.bindings.clear()  # they hold the old buffers
 
     def feed(self) -> dict[str, np.ndarray]:
         """The past inputs of a graph: ``past_key_values.{i}.key/value`` -> whole buffers."""

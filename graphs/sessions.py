@@ -501,7 +501,11 @@ class InPlaceRun:
                 io.bind_ortvalue_input(name, value)
                 io.bind_ortvalue_output("present." + name[len("past_key_values."):], value)
             if cache is not None:
-                cache.clear()  # the buffers moved: the old binding points at freed memory
+                # the buffers moved (or other rows): older per-call bindings go; the bound calls stay
+                # (their keys name their buffers and rows; a cache drops every binding when it
+                # reallocates)
+                for k in [k for k in cache if k[0] != "bound"]:
+                    del cache[k]
                 cache[key] = io
         # The small inputs and the outputs are rebound on every call (new arrays, new shapes). ORT's
         # Python IOBinding wraps each bind and every output (the 2L bound K/V buffers included) in

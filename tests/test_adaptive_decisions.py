@@ -551,3 +551,16 @@ def test_cost_estimates_are_numpys_to_the_last_bit():
         want = float(np.where(x > xs[-1], ys[-1] * x / xs[-1], np.interp(x, xs, ys)))
         assert costs.verify_cost(x) == want, (table, x)
         assert costs.verify_cost(np.array([x]))[0] == want
+
+
+def test_a_tie_between_widths_goes_to_the_narrower():
+    """Two widths that emit the same tokens at the same measured cost: the narrower one, as the numpy
+    policy chose (regression: the plain-Python estimate at the largest measured size once rounded
+    c * 3 / 3 != c and took the wider width, which changes a sampled request's random stream)."""
+    from graphs.adaptive import SPEC_ADAPTIVE, Planner
+
+    c = next(v for v in np.linspace(1e-3, 9e-3, 1000).tolist() if v * 3 / 3 != v)
+    p = Planner()
+    p.costs.verify = {1: 0.6 * c, 2: c, 3: c}  # 2 and 3 token rows measured at the same cost
+    p.costs.draft, p.costs.host_plain, p.costs.host_spec = {1: 1e-4}, {1: 1e-5}, {1: 1e-5}
+    assert p.plan(np.array([SPEC_ADAPTIVE]), np.array([4]), [np.array([1.0, 2.0, 2.0, 2.0])]).tolist() == [2]
