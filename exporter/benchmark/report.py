@@ -182,11 +182,14 @@ def draw(report: dict, path) -> None:
     ax.set_title("speed, same prompts and budget" + (f"\nnot run: {', '.join(skipped)}" if skipped else ""),
                  fontsize=9)
     ax = axes[1]
+    drawn = 0
     for e in ok:
         hist = np.asarray(e.get("accepted_histogram") or [], dtype=float)
         if e.get("mean_accepted_length") and e["mean_accepted_length"] > 1.001 and hist.sum():
-            ax.plot(range(len(hist)), hist / hist.sum(), "o-", label=f"{e['name']} (τ {e['mean_accepted_length']:.2f})",
-                    color=colors.get(e["family"], "gray"), alpha=0.9 if e["family"] == "ours" else 0.6)
+            # a color and marker per line: several systems of one family (ours-spec, -opt, -int4) share a panel
+            ax.plot(range(len(hist)), hist / hist.sum(), "os^Dv<>p"[drawn % 8] + "-", color=f"C{drawn % 10}",
+                    label=f"{e['name']} (τ {e['mean_accepted_length']:.2f})", alpha=0.85)
+            drawn += 1
     ax.set_xlabel("tokens accepted per base forward")
     ax.set_ylabel("share of steps")
     ax.set_title("acceptance")
