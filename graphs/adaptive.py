@@ -130,6 +130,13 @@ def counterfactual_gain(tree: Tree, accepted: list[int]) -> np.ndarray:
     return np.array([1.0 + bisect.bisect_left(r, n) for n in range(1, t + 1)])
 
 
+def _blend(old: np.ndarray, new: np.ndarray, w: float) -> list:
+    """``(1 - w) * old + w * new`` where ``old`` is known, ``new`` where it is NaN (never observed).
+    Plain Python over the few sizes: it runs every drafted step, where numpy's calls are slow right
+    after a graph call."""
+    return [y if x != x else (1 - w) * x + w * y for x, y in zip(old.tolist(), new.tolist())]
+
+
 _RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tree -> node ranks (static trees recur)
 
 
@@ -172,8 +179,7 @@ class RowGains:
         counterfactual gains (tree.size,) it measured."""
         g = counterfactual_gain(tree, accepted)
         n = min(tree.size, self.t)
-        e = self.ema
-        self.gain[:n] = [y if x != x else (1 - e) * x + e * y for x, y in zip(self.gain[:n].tolist(), g[:n].tolist())]
+        self.gain[:n] = _blend(self.gain[:n], g[:n], self.ema)
         return g[:n]
 
     def predicted(self) -> np.ndarray:
@@ -310,8 +316,7 @@ class Planner:
             mean = np.concatenate([mean, np.full(k - mean.shape[0], np.nan)])
         n += 1
         w = max(1.0 / n, 0.02)
-        # plain Python over the few sizes (every drafted step; numpy's calls are slow after a graph call)
-        mean[:k] = [y if x != x else (1 - w) * x + w * y for x, y in zip(mean[:k].tolist(), gains.tolist())]
+        mean[:k] = _blend(mean[:k], gains, w)
         self._priors[key] = (mean, n)
 
     @property

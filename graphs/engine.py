@@ -55,7 +55,6 @@ from graphs.errors import CapacityError, InputError
 from graphs.params import GenerationParams, Resolved
 from graphs.proposers import Eagle, Medusa, Plain
 from graphs.results import RequestEvent, Sampler, Stats
-from graphs.sampling import check_finite
 from graphs.slots import SlotCache
 
 WAITING, PREFILL, DECODING, DONE = "waiting", "prefill", "decoding", "done"
@@ -482,12 +481,9 @@ class Engine:
             if req is None:
                 continue
             counts[b] = 1
-            if req.sampler.temperature == 0:
-                row = logits[b, 0]
-                bonus[b] = int(row.argmax())
-                check_finite(row[bonus[b]])
-            else:  # the sampler's own draw, as the general path makes it (the same random stream)
-                bonus[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
+            # the sampler's own one-node acceptance, as the general path makes it (greedy: the argmax;
+            # sampled: the same random stream)
+            bonus[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
         self.kv.keep_new(counts)  # each decoding row keeps the one column the graph wrote
         if any(r is not None and r.draft is not None for r in live):  # drafter state to keep up to date
             accepted = [None if r is None else [0] for r in live]

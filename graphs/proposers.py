@@ -31,7 +31,7 @@ from graphs.eagle_draft import tree_from_outputs
 from graphs.kv import inplace_mask
 from graphs.sessions import InPlaceRun
 from graphs.slots import SlotCache, attention_mask
-from graphs.trees import DynamicTreeBuilder, medusa_candidates_batch
+from graphs.trees import DynamicTreeBuilder
 
 TREE_OUTPUTS = [C.TREE_TOKENS, C.TREE_PARENTS, C.TREE_DEPTH, C.TREE_SCORES, C.TREE_MASK]
 
@@ -129,11 +129,9 @@ class Medusa(Plain):
         (ids,) = self.rt.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden, C.TOPK_IN: np.array([k], dtype=np.int64)})
         t_draft = time.perf_counter() - t0
         for j, b in enumerate(drafting):  # ids (D, 1, heads, K)
-            state = rows[b].draft
-            if "checked" not in state:  # the drafter's output holds every (head, rank) the tree reads
-                medusa_candidates_batch(state["tree"], np.array([rows[b].root]), ids[j : j + 1, 0])
-                state["checked"] = True
-            tree, heads, ranks = self._cut(state, int(sizes[b]))
+            # (the tree's depth was checked against the drafter's heads when the request was made:
+            # Decoder.medusa_tree; its ranks are below k)
+            tree, heads, ranks = self._cut(rows[b].draft, int(sizes[b]))
             cand = np.empty(tree.size, dtype=np.int64)  # (T,) what medusa_candidates gives, cut
             cand[0] = rows[b].root
             cand[1:] = ids[j, 0, heads, ranks]

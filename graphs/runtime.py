@@ -259,10 +259,7 @@ class Decoder:
             return None
         columns = kv.top() + s
         kv.reserve_columns(columns)
-        one = self._one_sequence
-        fits = one is not None and columns <= self._one_sequence_columns
-        run = one if fits and (s == 1 or (kv.n == 1 and kv.lens[0] > 0)) else self._in_place  # as _graph_for
-        return run.bound_on(kv, s)
+        return self._graph(columns, s, kv.n == 1 and kv.lens[0] > 0).bound_on(kv, s)
 
     def _forward(self, kv, ids, pos, tree_mask, rows) -> dict:
         if self._in_place is not None:
@@ -300,14 +297,19 @@ class Decoder:
         per row; one sequence after a past (its tree nodes come after their ancestors, as every tree
         here); one sequence's causal prefill (without a past the kernel takes positions 0..S-1).
         The base graph for the rest (a batch of trees), which the kernel refuses."""
-        one = self._one_sequence
-        if one is None:
+        if self._one_sequence is None:
             return self._in_place
         bsz, s = ids.shape
-        if int(starts.max(initial=0)) + s > self._one_sequence_columns:
-            return self._in_place
-        if s == 1 or (bsz == 1 and (starts[0] > 0 or (np.array_equal(pos[0], np.arange(s))
-                                                       and np.array_equal(tree_mask[0], np.tri(s, dtype=bool))))):
+        one_sequence = bsz == 1 and (starts[0] > 0 or (np.array_equal(pos[0], np.arange(s))
+                                                      and np.array_equal(tree_mask[0], np.tri(s, dtype=bool))))
+        return self._graph(int(starts.max(initial=0)) + s, s, one_sequence)
+
+    def _graph(self, columns: int, s: int, one_sequence: bool) -> InPlaceRun:
+        """The one-sequence graph for a call of ``s`` new tokens per row reaching ``columns`` columns where
+        its kernel computes it as asked (one token per row, or ``one_sequence``: one sequence after a
+        past, or its causal prefill) within its rotary tables; the base otherwise."""
+        one = self._one_sequence
+        if one is not None and columns <= self._one_sequence_columns and (s == 1 or one_sequence):
             return one
         return self._in_place
 

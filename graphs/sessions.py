@@ -312,6 +312,21 @@ def _cpu_device():
         return None
 
 
+def bind_in_place(io, buffers: dict) -> list:
+    """Bind each ``past_key_values.*`` buffer as that input and as its ``present.*`` output, one
+    OrtValue over the buffer's memory (CPU): ONNX Runtime writes the new rows where they belong.
+    Returns the OrtValues (the binding holds them too)."""
+    values = []
+    for name, buf in buffers.items():
+        if not buf.flags.c_contiguous:
+            raise ValueError(f"{name}: the K/V buffer must be contiguous to be written in place")
+        value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the buffer's memory
+        io.bind_ortvalue_input(name, value)
+        io.bind_ortvalue_output("present." + name[len("past_key_values."):], value)
+        values.append(value)
+    return values
+
+
 class BoundCall:
     """A call of S new tokens per row over the first n rows of a cache, bound to the session once
     (:meth:`InPlaceRun.bound_on`): OrtValues made over numpy arrays share their memory (CPU), so a
@@ -338,10 +353,7 @@ class BoundCall:
             self.io.bind_ortvalue_input(name, self._value(arr))
         for name, arr in self.outputs.items():
             self.io.bind_ortvalue_output(name, self._value(arr))
-        for name, buf in buffers.items():  # K/V: read and written in place, as InPlaceRun.run binds them
-            value = self._value(buf)
-            self.io.bind_ortvalue_input(name, value)
-            self.io.bind_ortvalue_output("present." + name[len("past_key_values."):], value)
+        self.values += bind_in_place(self.io, buffers)
 
     def _value(self, arr: np.ndarray):
         if not arr.flags.c_contiguous:
@@ -371,12 +383,10 @@ class BoundCall:
             tree, k, w = trees[b], len(tokens[b]), int(lens[b])
             self.ids[b, :k] = tokens[b]
             block = self.mask[b, 0, :, w : w + s]  # (S, S): the new rows' own columns
-            if k == 1:
-                block[...] = self.eye
-                continue
-            self.pos[b, :k] += tree.depth
             block[...] = self.eye
-            block[:k, :k] = tree.mask
+            if k > 1:  # (a one-node tree is the identity already)
+                self.pos[b, :k] += tree.depth
+                block[:k, :k] = tree.mask
         self.session.run_with_iobinding(self.io)
         return self.outputs
 
@@ -494,12 +504,7 @@ class InPlaceRun:
             io = self.session.io_binding()
             for name in self.outputs:  # first: the outputs are listed in the order first bound
                 io.bind_output(name, "cpu")
-            for name, buf in buffers.items():
-                if not buf.flags.c_contiguous:
-                    raise ValueError(f"{name}: the K/V buffer must be contiguous to be written in place")
-                value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the buffer's memory (CPU)
-                io.bind_ortvalue_input(name, value)
-                io.bind_ortvalue_output("present." + name[len("past_key_values."):], value)
+            bind_in_place(io, buffers)
             if cache is not None:
                 # the buffers moved (or other rows): older per-call bindings go; the bound calls stay
                 # (their keys name their buffers and rows; a cache drops every binding when it

@@ -170,7 +170,7 @@ class SlotCache:
         counts (B,) int: how many of those A each row keeps (0: nothing, e.g. a row along for the ride)
         """
         if presents is None and idx.shape[1] == 1:  # a plain step written in place: only the lengths move
-            self.lens[first : first + idx.shape[0]] += counts
+            self.keep_new(counts, first)
             return
         counts = np.asarray(counts, dtype=np.int64)
         bsz, a = idx.shape
@@ -203,10 +203,10 @@ class SlotCache:
                 self.values[i][dst_rows, :, cols] = presents[2 * i + 1][b_loc, :, nodes]
         self.lens[rows] += counts
 
-    def keep_new(self, counts: list) -> None:
-        """A plain step written in place: row b keeps the ``counts[b]`` (0 or 1) column the graph wrote
-        at its length (what :meth:`commit` does for it, without its index arrays)."""
-        self.lens[: len(counts)] += counts
+    def keep_new(self, counts, first: int = 0) -> None:
+        """A plain step written in place: row ``first + b`` keeps the ``counts[b]`` (0 or 1) column the
+        graph wrote at its length (what :meth:`commit` does for it, without its index arrays)."""
+        self.lens[first : first + len(counts)] += counts
 
     def _compact(self, rows: np.ndarray, lens: np.ndarray, idx: np.ndarray, counts: np.ndarray) -> None:
         """Rows written in place at ``lens`` (node j at column lens + j): node ``idx[b, j]`` moves to
