@@ -278,3 +278,17 @@ def test_the_k_v_memory_goes_back_when_the_last_request_leaves(exports):
     gc.collect()
     assert engine.kv.capacity == 0 and len(stores) >= 2  # it grew at least once, then gave it all back
     assert all(ref() is None for ref in stores), "a binding kept an old K/V buffer alive"
+
+
+def test_the_host_time_benchmark_runs_as_it_says(exports, capsys):
+    """samples/bench_host.py (the docs' host-time figures): a median per run, every step counted."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `samples` is not an installed package
+    from samples import bench_host
+
+    bench_host.main([str(exports["one-sequence"]), "--speculation", "adaptive", "--tokens", "60", "--runs", "1",
+                     "--threads", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("run 1: host ") and "tokens a step" in lines[0], lines

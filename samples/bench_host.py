@@ -1,0 +1,65 @@
+"""Host time of the engine's decode step: wall time of ``Engine.step`` less the time inside ONNX
+Runtime's calls (the Python around the graphs: the policy, bookkeeping, acceptance, text).
+
+    python samples/bench_host.py OUT [--speculation off|on|adaptive] [--tokens 300] [--runs 5]
+
+One request at a time (prefill excluded), median over its decode steps, per run; the tokens per
+step say how many each step emitted. Compare two checkouts by running each in turn, alternating
+(PYTHONPATH=that checkout): the machine's noise is larger than one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="an export directory (python -m exporter.export / optimize)")
+    ap.add_argument("--speculation", default="off", choices=["off", "on", "adaptive"])
+    ap.add_argument("--tokens", type=int, default=300, help="new tokens per request")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    import graphs
+    from graphs.engine import EngineConfig
+    from graphs.sessions import Session, use_shared_thread_pool
+
+    inside = [0.0]
+    for name in ("run", "run_with_iobinding"):  # every graph call of the runtime goes through Session
+        setattr(Session, name, _timed(getattr(Session, name), inside))
+    use_shared_thread_pool(args.threads)
+    dec = graphs.load(args.out, provider="cpu", threads=args.threads)
+    dec.eos = set()  # every request runs its full length
+    engine = dec.engine(EngineConfig(max_batch=1, max_len=min(args.tokens + 64, dec.max_positions)))
+    prompt = list(range(3, 40))
+    for r in range(args.runs + 1):  # the first run warms up
+        engine.add_request(prompt, max_new_tokens=args.tokens - 40, speculation=args.speculation)
+        engine.step()  # prefill
+        host, tokens = [], 0
+        while engine.has_pending_requests():
+            inside[0] = 0.0
+            t = time.perf_counter()
+            events = engine.step()
+            host.append((time.perf_counter() - t - inside[0]) * 1e6)
+            tokens += sum(len(e.token_ids) for e in events)
+        if r:
+            print(f"run {r}: host {statistics.median(host):.1f} us a step (median of {len(host)}), "
+                  f"{tokens / len(host):.2f} tokens a step")
+
+
+def _timed(call, inside: list):
+    def timed(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return call(self, *a, **k)
+        finally:
+            inside[0] += time.perf_counter() - t
+    return timed
+
+
+if __name__ == "__main__":
+    main()
