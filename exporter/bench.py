@@ -18,6 +18,7 @@ A thin command line over :func:`exporter.benchmark.run.bench` (``--variants``:
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -70,9 +71,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", help="instead of the systems run: compare optimized variants of a raw export, "
                     "e.g. raw,fused,int8,int4 (exporter.variants; verify latency at 1/8/16/32 tree tokens, tok/s; "
                     "default: not run)")
-    ap.add_argument("--tune", action="store_true", help="with --variants: re-tune each variant's default tree "
-                    "for its own graphs before the end-to-end run, as exporter.optimize does (default: the "
-                    "export's tree for all)")
+    ap.add_argument("--tune", action=argparse.BooleanOptionalAction, default=None,
+                    help="re-tune each optimized copy's default tree for its own graphs, as exporter.optimize does "
+                         "(default: on for --precisions opt/int8/int4, the trees optimize ships; off for --variants, "
+                         "which compare the graphs under one tree; --tree overrides both)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
 
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
             use_shared_thread_pool(args.threads)  # one ORT pool for base, draft and K/V sessions
             report = variants.run_variants(args.out_dir, _csv(args.variants), max_new_tokens=args.max_new_tokens,
                                            repeats=args.repeats, prompts=args.prompts or 8, threads=args.threads,
-                                           sweep=args.sweep, tune=args.tune, tree=tree,
+                                           sweep=args.sweep, tune=bool(args.tune), tree=tree,
                                            load_options=_load_options(args.load_option),
                                            prompts_file=args.prompts_file, logs=args.logs)
             if args.json:
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
             top_k=args.top_k, seed=args.seed, threads=args.threads, tree=tree,
             precisions=_csv(args.precisions), peers=_csv(args.peers), draft_model=args.draft_model,
             prompt_lookup=args.prompt_lookup, optimum_python=args.optimum_python,
-            load_options=_load_options(args.load_option), sweep=args.sweep, work=args.work, logs=args.logs)
+            load_options=_load_options(args.load_option), sweep=args.sweep, work=args.work, logs=args.logs,
+            tune=args.tune is not False)
         report = bench(args.out_dir, opts, log=lambda *a: print(*a, file=sys.stderr))
         for e in report["systems"]:
             print(R.line(e, report["anchor"]))

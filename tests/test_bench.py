@@ -270,3 +270,25 @@ def test_sweep_runs_the_default_tree_beside_the_hand_picked_ones(exported, tmp_p
     assert rows[0]["vs_best_hand_picked"] == pytest.approx(rows[0]["speedup"] / best)
     R.draw(rep, tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("flags, tuned", [([], True), (["--no-tune"], False), (["--tree", "TREE"], False)])
+def test_bench_precisions_measure_the_tree_optimize_ships(exported, tmp_path, monkeypatch, flags, tuned):
+    """ours-spec-int4 ran the float32 export's 7-node tree while `exporter.optimize --quantize int4` ships a
+    tree re-tuned for int4 (3 nodes on the 19M model: 1.39x autoregressive where the 7-node tree gave 0.99x):
+    the optimized copies are tuned as optimize makes them, unless --no-tune, or --tree fixes the tree."""
+    import exporter.bench as b
+    from exporter.benchmark import systems as S
+
+    out = exported("medusa")
+    calls = []
+    monkeypatch.setattr(S, "ours_variant", lambda *a, **k: calls.append(k) or (out, ""))
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps([[0]]))
+    report = tmp_path / "r.json"
+    flags = [str(tree) if f == "TREE" else f for f in flags]
+    rc = b.main([str(out), "--repeats", "1", "--prompts", "1", "--max-new-tokens", "4", "--threads", "1",
+                 "--peers", "", "--precisions", "int4", "--json", str(report), *flags])
+    assert rc == 0
+    assert [c["tune"] for c in calls] == [tuned] and calls[0]["threads"] == 1
+    assert json.loads(report.read_text())["settings"]["tune"] is tuned

@@ -45,6 +45,9 @@ class BenchOptions:
     optimum_python: str | None = None  # a python with optimum-onnx (it pins transformers < 4.58)
     load_options: dict = field(default_factory=dict)  # extra graphs.load() keywords (eagle_draft=...)
     sweep: bool = False
+    # our optimized precisions' default tree re-tuned for their own graphs, as `python -m exporter.optimize`
+    # ships them (int4's best tree is far smaller than float32's); ignored when ``tree`` is given
+    tune: bool = True
     work: str | None = None  # keep peers' builds here (default: a temporary directory)
     logs: str | None = None  # the workers' and builds' logs (default: kept in a temporary directory on failure)
 
@@ -94,7 +97,8 @@ def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> 
     ours_base = {"runner": "ours", "threads": opts.threads, "load_options": opts.load_options}
     for prec in opts.precisions:
         sfx = "" if prec == "fp32" else f"-{prec}"
-        path, why = (out_dir, "") if prec == "fp32" else S.ours_variant(out_dir, PRECISIONS[prec], work, log)
+        path, why = (out_dir, "") if prec == "fp32" else S.ours_variant(
+            out_dir, PRECISIONS[prec], work, log, tune=opts.tune and opts.tree is None, threads=opts.threads)
         ar = S.System(f"ours-ar{sfx}", "ours", {**ours_base, "out_dir": str(path), "mode": "autoregressive"},
                       precision=prec)
         mine = [ar]
@@ -302,7 +306,8 @@ def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, logs: Pat
                      "mean_prompt_tokens": sum(n_tokens) / len(n_tokens), "max_new_tokens": opts.max_new_tokens,
                      "repeats": opts.repeats, "temperature": opts.temperature, "top_p": opts.top_p,
                      "top_k": opts.top_k, "seed": opts.seed, "threads": opts.threads,
-                     "precisions": list(opts.precisions), "load_options": opts.load_options,
+                     "precisions": list(opts.precisions), "tune": opts.tune and opts.tree is None,
+                     "load_options": opts.load_options,
                      "drafter": manifest.drafter["kind"] if manifest.drafter else None,
                      "tree": opts.tree or manifest.tree},
         "anchor": anchor,

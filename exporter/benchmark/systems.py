@@ -190,20 +190,24 @@ def optimum_model(plain: Path, python: str, work: Path, log) -> tuple[Path | Non
     return _prepared(dst, cmd, "optimum's ONNX export", log, "config.json")
 
 
-def ours_variant(out_dir: Path, quantize: str, work: Path, log) -> tuple[Path | None, str]:
-    """A quantized copy of our export, by the optimize stage (:func:`exporter.pipeline.optimize_export`)."""
+def ours_variant(out_dir: Path, quantize: str, work: Path, log, tune: bool = False,
+                 threads: int | None = None) -> tuple[Path | None, str]:
+    """A quantized copy of our export, by the optimize stage (:func:`exporter.pipeline.optimize_export`);
+    ``tune``: its default tree re-tuned for the copy's graphs on this machine, as the optimize CLI does."""
     from exporter.pipeline import optimize_export
 
-    dst = work / f"ours-{quantize}-{_key(out_dir, quantize)}"
+    dst = work / f"ours-{quantize}{'-tuned' if tune else ''}-{_key(out_dir, quantize, tune)}"
     if (dst / "manifest.json").is_file():
         return dst, ""
     import shutil
 
-    log(f"  preparing our {'fused fp32' if quantize == 'none' else quantize} variant -> {dst}")
+    log(f"  preparing our {'fused fp32' if quantize == 'none' else quantize} variant"
+        f"{' (tree re-tuned)' if tune else ''} -> {dst}")
     tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=work))
     try:
         shutil.copytree(out_dir, tmp, dirs_exist_ok=True)
-        optimize_export(tmp, target="cpu", quantize=quantize, progress=lambda *a, **k: None)
+        optimize_export(tmp, target="cpu", quantize=quantize, progress=lambda *a, **k: None, tune=tune,
+                        tune_threads=threads)
     except Exception as e:
         _rmtree(tmp)
         return None, f"optimize_export(quantize={quantize!r}) failed: {type(e).__name__}: {e}"
