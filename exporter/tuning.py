@@ -34,35 +34,56 @@ from graphs.eagle_draft import baked_trees
 from graphs.kv import KVCache
 from graphs.limits import max_eagle_nodes
 from graphs.sessions import base_precision
-from graphs.trees import expected_accepted, medusa_paths_from_acceptance
+from graphs.slots import SlotCache
+from graphs.trees import Tree, expected_accepted, medusa_paths_from_acceptance
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 EAGLE_GRID = [(k, d) for d in (1, 2, 3, 4, 5, 6) for k in (1, 2, 3, 4)]  # (topk, depth), cheap first
 MAX_TREE = 64
+WARM, TIMED = 4, 2  # measure_verify: calls per size and round before timing, and timed
 
 
 # ------------------------------------------------------------------ measurements
 
 
 def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7) -> dict[int, float]:
-    """Seconds per base forward over n new positions after ``prompt`` (median of ``repeats``)."""
+    """Seconds per verify of an n-node tree after ``prompt`` (median of ``repeats``), on the engine's
+    own call path: a one-row :class:`graphs.slots.SlotCache` and :meth:`graphs.runtime.Decoder.verify_trees`
+    (arrays bound to the session once), or ``base_forward`` where the graphs take no bound call, as the
+    engine does. A per-call binding costs more than the step it times on small models (a one-token call
+    measured 1.0-1.5 ms that way where the engine's bound call takes 0.4-0.5 ms, on the 19M int4 model),
+    which made speculation look cheap.
+
+    Each size's cost is that of a call after calls of the same size, as the decode loop makes them: a
+    call after one of another size pays for the switch, and it fades over a few calls (one-token calls
+    after a 64-token one, 19M int4 model: 1.03, 0.78, 0.66, 0.56, 0.51 ms), so each size runs ``WARM``
+    unmeasured calls, then ``TIMED`` measured ones, per round. The sizes take turns round by round: a
+    shared or virtual machine runs at one speed for seconds, then at another (the same step at 0.65 ms,
+    then at 0.30 ms), and measured one size after another, a phase fell on some sizes only (five such
+    runs put an 8-token call at 2.7x-4.1x one token)."""
     src = dec.manifest.source
-    kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, layout=dec.kv_layout)
-    s = len(prompt)
+    s, widest = len(prompt), max(sizes)
+    kv = SlotCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, s + widest,
+                   headroom=widest, layout=dec.kv_layout)
+    kv.add_row()
     out = dec.base_forward(kv, np.array([prompt]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
-    kv.append(dec.presents(out), np.arange(s)[None], np.array([s]))
-    res = {}
-    for n in sizes:
-        ids = np.full((1, n), int(prompt[-1]))
-        pos = s + np.arange(n)[None]
-        mask = np.tril(np.ones((1, n, n), dtype=bool))
-        times = []
-        for _ in range(repeats):
+    kv.commit(dec.presents(out), np.arange(s)[None], np.array([s]))
+
+    def call(tree, tokens):
+        if dec.verify_trees(kv, [tree], [tokens]) is None:  # no bound call for these graphs: as the engine
+            dec.base_forward(kv, tokens[None], s + tree.depth[None], tree.mask[None])
+
+    calls = {n: (Tree.from_parents(np.arange(n) - 1), np.full(n, int(prompt[-1]), dtype=np.int64)) for n in sizes}
+    times = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n, (tree, tokens) in calls.items():
+            for _ in range(WARM):  # the switch from the last size (and a new shape's allocations)
+                call(tree, tokens)
             t0 = time.perf_counter()
-            dec.base_forward(kv, ids, pos, mask)
-            times.append(time.perf_counter() - t0)
-        res[n] = statistics.median(times)
-    return res
+            for _ in range(TIMED):
+                call(tree, tokens)
+            times[n].append((time.perf_counter() - t0) / TIMED)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def interp(costs: dict[int, float], n: int) -> float:

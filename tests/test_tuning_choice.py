@@ -69,20 +69,16 @@ class FakeDec:
 # ----------------------------------------------------------------------------- measurements are recorded as measured
 
 
-def test_measure_verify_records_the_median_of_the_repeats(monkeypatch):
+@pytest.mark.parametrize("bound", [True, False])
+def test_measure_verify_times_the_engines_calls_after_a_switch_sizes_taking_turns(monkeypatch, bound):
+    """The verify cost of each tree size: a one-row SlotCache after the prompt, each size's calls on the
+    engine's path (Decoder.verify_trees; base_forward where it has no bound call), WARM untimed calls
+    per size and round (the switch from another size fades over a few calls), then TIMED timed ones;
+    sizes take turns round by round; the median of the rounds."""
     clock = Clock()
     monkeypatch.setattr(tuning, "time", clock)
-
-    made = []
-
-    class KV:
-        def __init__(self, *a, layout="bhsd"):
-            made.append(a)
-
-        def append(self, presents, pos, lengths):
-            assert pos.tolist() == [list(range(5))] and lengths.tolist() == [5]
-
-    monkeypatch.setattr(tuning, "KVCache", KV)
+    monkeypatch.setattr(tuning, "WARM", 2)
+    monkeypatch.setattr(tuning, "TIMED", 2)
     seen = []
     script = {}
 
@@ -90,28 +86,43 @@ def test_measure_verify_records_the_median_of_the_repeats(monkeypatch):
         dtype = np.float32
         kv_layout = "bhsd"
 
-        def base_forward(self, kv, ids, pos, mask):
-            n = ids.shape[1]
-            assert ids.shape == (1, n) and mask.shape == (1, n, n)
-            assert np.array_equal(mask[0], np.tril(np.ones((n, n), dtype=bool)))  # causal over the new rows
-            seen.append((n, pos.tolist(), ids.tolist()))
+        def _call(self, kv, n, how):
+            assert kv.n == 1 and kv.lens.tolist() == [5]  # the prompt committed, nothing after it
+            seen.append((how, n))
             if n in script:
                 clock.now += script[n].pop(0)
+
+        def base_forward(self, kv, ids, pos, mask):
+            n = ids.shape[1]
+            if n == 5:  # the prompt: causal, positions 0..4
+                assert ids.tolist() == [prompt] and pos.tolist() == [list(range(5))]
+                assert np.array_equal(mask[0], np.tril(np.ones((5, 5), dtype=bool)))
+                return {}
+            assert not bound and ids.tolist() == [[8] * n] and pos.tolist() == [list(range(5, 5 + n))]
+            assert np.array_equal(mask[0], np.tril(np.ones((n, n), dtype=bool)))  # a chain of n nodes
+            self._call(kv, n, "base_forward")
             return {}
 
         def presents(self, out):
-            return []
+            return None  # written in place: commit moves only the lengths
 
-    script.update({2: [0.75, 0.25, 0.5], 3: [2.0, 0.5, 1.0]})
+        def verify_trees(self, kv, trees, tokens):
+            (tree,), (tok,) = trees, tokens
+            n = len(tok)
+            assert tok.tolist() == [8] * n and tree.parents.tolist() == list(range(-1, n - 1))
+            if not bound:
+                return None
+            self._call(kv, n, "verify_trees")
+            return {}
+
+    # per round and size: two untimed calls (0 s here), then two timed ones (their mean counts)
+    script.update({2: [0, 0, 0.5, 1.0] + [0, 0, 0.25, 0.25] + [0, 0, 0.5, 0.5],
+                   3: [0, 0, 2.0, 2.0] + [0, 0, 0.5, 0.5] + [0, 0, 1.0, 1.0]})
     prompt = [4, 5, 6, 7, 8]
     res = tuning.measure_verify(Dec(), prompt, sizes=(2, 3), repeats=3)
-    assert res == {2: 0.5, 3: 1.0}  # the middle one, not the mean or the first
-    assert seen[0] == (5, [list(range(5))], [prompt])  # the prompt, then every size right after it
-    assert seen[1:4] == [(2, [[5, 6]], [[8, 8]])] * 3 and seen[4:] == [(3, [[5, 6, 7]], [[8, 8, 8]])] * 3
-    assert made == [(1, 1, 1, 2, np.float32)]  # one sequence: num_layers, batch 1, kv heads, head dim
-    script.update({2: [0.25] * 7})
-    seen.clear()
-    assert tuning.measure_verify(Dec(), prompt, sizes=(2,)) == {2: 0.25} and len(seen) == 1 + 7  # 7 repeats
+    assert res == {2: 0.5, 3: 1.0}  # the middle round, not the mean or the first
+    how = "verify_trees" if bound else "base_forward"
+    assert seen == ([(how, 2)] * 4 + [(how, 3)] * 4) * 3  # sizes take turns: a slow phase hits each alike
 
 
 def test_interp_is_linear_between_measured_sizes():

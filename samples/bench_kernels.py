@@ -1,0 +1,190 @@
+"""What a verify of M tree rows costs against one row, per matmul kernel ONNX Runtime offers on this CPU,
+and whether each gives a row the same result whatever the call's row count (the lossless contract).
+
+    python samples/bench_kernels.py [--k 512] [--n 1536] [--layers 12] [--rows 1,2,3,4,6,8,16]
+        [--threads 2] [--rounds 7] [--json F]
+
+A chain of ``--layers`` matmuls (K x N weights, the 19M model's MLP shape by default; ``--k 2048 --n
+5632`` is TinyLlama-1.1B's) run bare under ONNX Runtime, one graph per kernel:
+
+- ``fp32``: MatMul (MLAS SGEMM);
+- ``int4-l0`` / ``int4-l4``: MatMulNBits, 4-bit blocks of 32 (ORT's MatMulNBitsQuantizer, as
+  ``exporter.optimize --quantize int4`` writes them) at accuracy level 0 (float compute) and 4 (int8
+  compute: activations quantized per row and block; the default, and onnxruntime-genai's);
+- ``int8-l4``: MatMulNBits with 8-bit blocks at level 4 (``--quantize int8``);
+- ``int8-tensor``: DynamicQuantizeMatMul (ORT's quantize_dynamic): activations quantized with one scale
+  for the whole call, so a row's result depends on the other rows (not row-consistent: shown, never
+  written by optimize);
+- ``int8-row``: activations quantized per row by hand (Abs, ReduceMax, scale, round, uint8), integer
+  MatMulInteger, rescaled per row and column: row-consistent by construction (exact int32 sums). No
+  library writes this form (quantize_dynamic quantizes per tensor), hence the hand-built graph.
+
+Every round runs each kernel at each row count, kernels interleaved (the same machine state for all);
+the median over rounds is reported, with each cost relative to one row and, per kernel, the largest
+difference between a row computed alone and inside a call of M rows. A speculative step pays off when
+tau(T) * t(1) / t(T) > 1: this says how much room each kernel leaves for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _chain(k: int, n: int, layers: int, rng) -> "onnx.ModelProto":  # noqa: F821
+    """x (M, k) -> [MatMul (k, n) -> first k columns] x layers: the chain keeps each call's input k wide."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes, inits, x = [], [], "x"
+    consts = {"s0": [0], "sk": [k], "ax": [1]}
+    inits += [numpy_helper.from_array(np.array(v, np.int64), name) for name, v in consts.items()]
+    for i in range(layers):
+        inits.append(numpy_helper.from_array((rng.standard_normal((k, n)) * 0.02).astype(np.float32), f"w{i}"))
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"y{i}"]),
+                  helper.make_node("Slice", [f"y{i}", "s0", "sk", "ax"], [f"x{i}"])]
+        x = f"x{i}"
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                          [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["M", k])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    return m
+
+
+def _per_row_int8(proto) -> "onnx.ModelProto":  # noqa: F821
+    """Each MatMul of ``proto`` as per-row dynamic int8: scale_r = max|x_r| / 127, q = round(x / scale_r)
+    + 128 (uint8), MatMulInteger against int8 weights (per-column scales), * scale_r * scale_c."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = proto.graph
+    inits = {t.name: t for t in g.initializer}
+    extra = [numpy_helper.from_array(np.array(v, dt), name) for name, v, dt in
+             (("q/inv127", 1 / 127, np.float32), ("q/tiny", 1e-30, np.float32), ("q/128", 128, np.float32),
+              ("q/zp", 128, np.uint8), ("q/last", [-1], np.int64))]
+    nodes = []
+    for node in g.node:
+        if node.op_type != "MatMul":
+            nodes.append(node)
+            continue
+        x, w_name = node.input
+        w = numpy_helper.to_array(inits.pop(w_name))
+        col = np.maximum(np.abs(w).max(0) / 127, 1e-30).astype(np.float32)
+        extra += [numpy_helper.from_array(np.round(w / col).astype(np.int8), w_name),
+                  numpy_helper.from_array(col, w_name + "/scale")]
+        p = node.output[0] + "/"
+        nodes += [helper.make_node("Abs", [x], [p + "abs"]),
+                  helper.make_node("ReduceMax", [p + "abs", "q/last"], [p + "max"], keepdims=1),
+                  helper.make_node("Mul", [p + "max", "q/inv127"], [p + "s0"]),
+                  helper.make_node("Max", [p + "s0", "q/tiny"], [p + "s"]),
+                  helper.make_node("Div", [x, p + "s"], [p + "d"]),
+                  helper.make_node("Round", [p + "d"], [p + "r"]),
+                  helper.make_node("Add", [p + "r", "q/128"], [p + "u"]),
+                  helper.make_node("Cast", [p + "u"], [p + "q"], to=TensorProto.UINT8),
+                  helper.make_node("MatMulInteger", [p + "q", w_name, "q/zp"], [p + "i"]),
+                  helper.make_node("Cast", [p + "i"], [p + "f"], to=TensorProto.FLOAT),
+                  helper.make_node("Mul", [p + "f", p + "s"], [p + "fr"]),
+                  helper.make_node("Mul", [p + "fr", w_name + "/scale"], [node.output[0]])]
+    del g.node[:]
+    g.node.extend(nodes)
+    del g.initializer[:]
+    g.initializer.extend(list(inits.values()) + extra)
+    onnx.checker.check_model(proto)
+    return proto
+
+
+def build(k: int, n: int, layers: int, work: Path, log=print) -> dict[str, Path]:
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    base = _chain(k, n, layers, np.random.default_rng(0))
+    paths = {"fp32": work / "fp32.onnx"}
+    onnx.save(base, paths["fp32"])
+    for name, bits, level in (("int4-l0", 4, 0), ("int4-l4", 4, 4), ("int8-l4", 8, 4)):
+        q = MatMulNBitsQuantizer(onnx.load(paths["fp32"]), bits=bits, block_size=32, is_symmetric=True,
+                                 accuracy_level=level)
+        q.process()
+        paths[name] = work / f"{name}.onnx"
+        q.model.save_model_to_file(str(paths[name]))
+    paths["int8-tensor"] = work / "int8-tensor.onnx"
+    quantize_dynamic(str(paths["fp32"]), str(paths["int8-tensor"]), weight_type=QuantType.QInt8)
+    paths["int8-row"] = work / "int8-row.onnx"
+    onnx.save(_per_row_int8(onnx.load(paths["fp32"])), paths["int8-row"])
+    log(f"built {len(paths)} graphs: {layers} x MatMul ({k} x {n}) each")
+    return paths
+
+
+def measure(paths: dict[str, Path], k: int, rows: list[int], threads: int, rounds: int, calls: int = 30,
+            log=print) -> dict:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    sessions = {name: ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"])
+                for name, p in paths.items()}
+    x = np.random.default_rng(1).standard_normal((max(rows), k)).astype(np.float32)
+    consistency = {}
+    for name, s in sessions.items():  # row r alone vs inside a call of M rows, every M
+        alone = np.concatenate([s.run(None, {"x": x[r:r + 1]})[0] for r in range(max(rows))])
+        consistency[name] = max(float(np.abs(s.run(None, {"x": x[:m]})[0] - alone[:m]).max()) for m in rows)
+    times = {name: {m: [] for m in rows} for name in sessions}
+    for rnd in range(rounds):
+        for m in rows:
+            for name, s in sessions.items():
+                feed = {"x": x[:m]}
+                for _ in range(3):
+                    s.run(None, feed)
+                t = time.perf_counter()
+                for _ in range(calls):
+                    s.run(None, feed)
+                times[name][m].append((time.perf_counter() - t) / calls * 1e3)
+        log(f"round {rnd + 1}/{rounds}", flush=True)
+    out = {}
+    for name in sessions:
+        ms = {m: statistics.median(v) for m, v in times[name].items()}
+        out[name] = {"ms": ms, "relative_to_one_row": {m: ms[m] / ms[rows[0]] for m in rows},
+                     "row_consistency_max_abs": consistency[name]}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k", type=int, default=512, help="input features of each matmul (default: 512)")
+    ap.add_argument("--n", type=int, default=1536, help="output features of each matmul (default: 1536)")
+    ap.add_argument("--layers", type=int, default=12, help="matmuls in the chain (default: 12)")
+    ap.add_argument("--rows", default="1,2,3,4,6,8,16", help="row counts M of a call (the first is the base)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.k > args.n or min(rows) < 1:
+        print("error: --k must be <= --n (the chain keeps the first k columns) and every --rows >= 1",
+              file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench-kernels.") as work:
+        paths = build(args.k, args.n, args.layers, Path(work))
+        res = measure(paths, args.k, rows, args.threads, args.rounds)
+    print(f"ms per call of {args.layers} x ({args.k} x {args.n}), relative to {rows[0]} row(s); row consistency")
+    print(f"{'kernel':12s} " + " ".join(f"{m:>12d}" for m in rows) + "   max |alone - in a call|")
+    for name, r in res.items():
+        cells = " ".join(f"{r['ms'][m]:6.3f} {r['relative_to_one_row'][m]:4.2f}x" for m in rows)
+        print(f"{name:12s} {cells}   {r['row_consistency_max_abs']:.1e}")
+    if args.json:
+        report = {"schema": "specexport.bench_kernels/1", "k": args.k, "n": args.n, "layers": args.layers,
+                  "rows": rows, "threads": args.threads, "rounds": args.rounds, "kernels": res}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
