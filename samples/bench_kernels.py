@@ -38,9 +38,8 @@ from pathlib import Path
 import numpy as np
 
 
-def _chain(k: int, n: int, layers: int, rng) -> "onnx.ModelProto":  # noqa: F821
+def _chain(k: int, n: int, layers: int, rng):
     """x (M, k) -> [MatMul (k, n) -> first k columns] x layers: the chain keeps each call's input k wide."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     nodes, inits, x = [], [], "x"
@@ -58,7 +57,7 @@ def _chain(k: int, n: int, layers: int, rng) -> "onnx.ModelProto":  # noqa: F821
     return m
 
 
-def _per_row_int8(proto) -> "onnx.ModelProto":  # noqa: F821
+def _per_row_int8(proto):
     """Each MatMul of ``proto`` as per-row dynamic int8: scale_r = max|x_r| / 127, q = round(x / scale_r)
     + 128 (uint8), MatMulInteger against int8 weights (per-column scales), * scale_r * scale_c."""
     import onnx

@@ -116,8 +116,8 @@ def test_measure_verify_times_the_engines_calls_after_a_switch_sizes_taking_turn
             return {}
 
     # per round and size: two untimed calls (0 s here), then two timed ones (their mean counts)
-    script.update({2: [0, 0, 0.5, 1.0] + [0, 0, 0.25, 0.25] + [0, 0, 0.5, 0.5],
-                   3: [0, 0, 2.0, 2.0] + [0, 0, 0.5, 0.5] + [0, 0, 1.0, 1.0]})
+    script.update({2: [*(0, 0, 0.5, 1.0), *(0, 0, 0.25, 0.25), *(0, 0, 0.5, 0.5)],
+                   3: [*(0, 0, 2.0, 2.0), *(0, 0, 0.5, 0.5), *(0, 0, 1.0, 1.0)]})
     prompt = [4, 5, 6, 7, 8]
     res = tuning.measure_verify(Dec(), prompt, sizes=(2, 3), repeats=3)
     assert res == {2: 0.5, 3: 1.0}  # the middle round, not the mean or the first
