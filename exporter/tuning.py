@@ -50,16 +50,15 @@ def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7)
     """Seconds per verify of an n-node tree after ``prompt`` (median of ``repeats``), on the engine's
     own call path: a one-row :class:`graphs.slots.SlotCache` and :meth:`graphs.runtime.Decoder.verify_trees`
     (arrays bound to the session once), or ``base_forward`` where the graphs take no bound call, as the
-    engine does. A per-call binding costs more than the step it times on small models (a one-token call
-    measured 1.0-1.5 ms that way where the engine's bound call takes 0.4-0.5 ms, on the 19M int4 model),
-    which made speculation look cheap.
+    engine does (a per-call binding, as before, measured 4-5% more per call on the 19M int4 model:
+    0.265 vs 0.254 ms at one token, 0.577 vs 0.550 ms at four).
 
     Each size's cost is that of a call after calls of the same size, as the decode loop makes them: a
     call after one of another size pays for the switch, and it fades over a few calls (one-token calls
     after a 64-token one, 19M int4 model: 1.03, 0.78, 0.66, 0.56, 0.51 ms), so each size runs ``WARM``
     unmeasured calls, then ``TIMED`` measured ones, per round. The sizes take turns round by round: a
     shared or virtual machine runs at one speed for seconds, then at another (the same step at 0.65 ms,
-    then at 0.30 ms), and measured one size after another, a phase fell on some sizes only (five such
+    then at 0.30 ms), and measured one size after another, the curve moved with the phases (five such
     runs put an 8-token call at 2.7x-4.1x one token)."""
     src = dec.manifest.source
     s, widest = len(prompt), max(sizes)
