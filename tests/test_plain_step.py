@@ -292,3 +292,38 @@ def test_the_host_time_benchmark_runs_as_it_says(exports, capsys):
                      "--threads", "1"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("run 1: host ") and "tokens a step" in lines[0], lines
+
+
+@pytest.mark.parametrize("name", ["one-sequence", "raw"])
+def test_the_context_benchmark_steps_as_the_engine_does(exports, name):
+    """samples/bench_context.py times the engine's plain step (bound arrays) where the graphs take one,
+    base_forward where they do not (it timed base_forward with a binding per call before), and
+    commits each step's token."""
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `samples` is not an installed package
+    from samples import bench_context
+
+    ours = bench_context.Ours(str(exports[name]), 1)
+    calls = {"plain_step": 0, "base_forward": 0}
+    for method in calls:
+        real = getattr(ours.dec, method)
+
+        def counted(*a, _real=real, _name=method, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        setattr(ours.dec, method, counted)
+    ours.prepare(2, 8, np.random.default_rng(0))
+    before = dict(calls)
+    seen = []
+    for _ in range(3):
+        ours.step()
+        seen.append(ours.next.copy())
+    assert calls["plain_step"] - before["plain_step"] == 3
+    assert calls["base_forward"] - before["base_forward"] == (0 if name == "one-sequence" else 3)
+    assert ours.kv.lens[:2].tolist() == [11, 11]  # 8 prefilled + 3 steps, each committed
+    assert all(t.shape == (2,) for t in seen)
