@@ -41,6 +41,9 @@ VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 EAGLE_GRID = [(k, d) for d in (1, 2, 3, 4, 5, 6) for k in (1, 2, 3, 4)]  # (topk, depth), cheap first
 MAX_TREE = 64
 WARM, TIMED = 4, 2  # measure_verify: calls per size and round before timing, and timed
+# measure_verify: a call this slow makes the switch cost (~0.5 ms) noise: one untimed call, one timed
+# (else a 7B model's 64-token verify at ~1 s would take the tuner 6 x 7 x 15 calls)
+SLOW_CALL_S = 0.02
 
 
 # ------------------------------------------------------------------ measurements
@@ -56,10 +59,11 @@ def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7)
     Each size's cost is that of a call after calls of the same size, as the decode loop makes them: a
     call after one of another size pays for the switch, and it fades over a few calls (one-token calls
     after a 64-token one, 19M int4 model: 1.03, 0.78, 0.66, 0.56, 0.51 ms), so each size runs ``WARM``
-    unmeasured calls, then ``TIMED`` measured ones, per round. The sizes take turns round by round: a
-    shared or virtual machine runs at one speed for seconds, then at another (the same step at 0.65 ms,
-    then at 0.30 ms), and measured one size after another, the curve moved with the phases (five such
-    runs put an 8-token call at 2.7x-4.1x one token)."""
+    unmeasured calls, then ``TIMED`` measured ones, per round (one and one where a call takes
+    ``SLOW_CALL_S`` or more: the switch is noise there, and large models keep the tuner's time). The
+    sizes take turns round by round: a shared or virtual machine runs at one speed for seconds, then at
+    another (the same step at 0.65 ms, then at 0.30 ms), and measured one size after another, the curve
+    moved with the phases (five such runs put an 8-token call at 2.7x-4.1x one token)."""
     src = dec.manifest.source
     s, widest = len(prompt), max(sizes)
     kv = SlotCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, s + widest,
@@ -76,12 +80,16 @@ def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7)
     times = {n: [] for n in sizes}
     for _ in range(repeats):
         for n, (tree, tokens) in calls.items():
-            for _ in range(WARM):  # the switch from the last size (and a new shape's allocations)
-                call(tree, tokens)
             t0 = time.perf_counter()
-            for _ in range(TIMED):
+            call(tree, tokens)  # the switch from the last size (and a new shape's allocations)
+            fast = time.perf_counter() - t0 < SLOW_CALL_S  # a slow call hides the switch: no more warm-up
+            for _ in range(WARM - 1 if fast else 0):
                 call(tree, tokens)
-            times[n].append((time.perf_counter() - t0) / TIMED)
+            timed = TIMED if fast else 1
+            t0 = time.perf_counter()
+            for _ in range(timed):
+                call(tree, tokens)
+            times[n].append((time.perf_counter() - t0) / timed)
     return {n: statistics.median(t) for n, t in times.items()}
 
 

@@ -125,6 +125,33 @@ def test_measure_verify_times_the_engines_calls_after_a_switch_sizes_taking_turn
     assert seen == ([(how, 2)] * 4 + [(how, 3)] * 4) * 3  # sizes take turns: a slow phase hits each alike
 
 
+def test_measure_verify_does_not_warm_up_slow_calls(monkeypatch):
+    """A call of SLOW_CALL_S or more hides the switch: one untimed call and one timed per size and round
+    (a 7B model's verify would otherwise cost the tuner minutes)."""
+    clock = Clock()
+    monkeypatch.setattr(tuning, "time", clock)
+    seen = []
+
+    class Dec(FakeDec):
+        dtype = np.float32
+        kv_layout = "bhsd"
+
+        def base_forward(self, kv, ids, pos, mask):
+            return {}
+
+        def presents(self, out):
+            return None
+
+        def verify_trees(self, kv, trees, tokens):
+            seen.append(len(tokens[0]))
+            clock.now += 0.05 if len(tokens[0]) == 3 else 0.001  # size 3 slow, size 2 fast
+            return {}
+
+    res = tuning.measure_verify(Dec(), [4, 5, 6, 7, 8], sizes=(2, 3), repeats=2)
+    assert seen == ([2] * (tuning.WARM + tuning.TIMED) + [3, 3]) * 2
+    assert res == pytest.approx({2: 0.001, 3: 0.05})
+
+
 def test_interp_is_linear_between_measured_sizes():
     costs = {1: 1.0, 4: 4.0, 8: 6.0}
     assert tuning.interp(costs, 1) == 1.0 and tuning.interp(costs, 2) == 2.0 and tuning.interp(costs, 6) == 5.0
