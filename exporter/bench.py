@@ -88,6 +88,13 @@ def main(argv=None) -> int:
         if args.png:  # say so before the run, not after it
             require_module("matplotlib", "--png", "'specexport[plot]' (or matplotlib)")
         tree = _read_tree(args.tree) if args.tree else None
+        if args.tune is not None and tree is not None:  # never silently ignored
+            raise UserError(f"--{'' if args.tune else 'no-'}tune and --tree: --tree fixes the tree every system runs; "
+                            f"drop one of them")
+        if args.tune and not args.variants and not set(_csv(args.precisions)) - {"fp32"}:
+            raise UserError("--tune re-tunes the optimized copies bench makes (--precisions opt, int8 or int4); with "
+                            "fp32 alone there is none: tune the export itself (python -m exporter.tune OUT_DIR), or "
+                            "add an optimized precision")
         if args.variants:
             from exporter.benchmark import variants
 

@@ -99,9 +99,16 @@ def test_prompt_file_missing_or_binary(tmp_path):
     (["--top-p", "0"], "--top-p must be in"),
     (["--precisions", "int3"], "unknown precision or peer 'int3'"),
     (["--load-option", "nokey"], "expected KEY=VALUE"),
+    (["--tune"], "--tune re-tunes the optimized copies"),  # fp32 alone: nothing to re-tune
+    (["--tune", "--precisions", "fp32,int4", "--tree", "TREE"], "--tune and --tree"),
+    (["--no-tune", "--precisions", "int4", "--tree", "TREE"], "--no-tune and --tree"),
 ])
-def test_cli_bad_values(exported, capsys, args, match):
-    """Regression (issue 10): --prompts 0 ended in IndexError, --repeats 0 wrote 'speedup 0.00x'."""
+def test_cli_bad_values(exported, capsys, tmp_path, args, match):
+    """Regression (issue 10): --prompts 0 ended in IndexError, --repeats 0 wrote 'speedup 0.00x'. A --tune
+    that could change nothing is refused, not ignored."""
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps([[0]]))
+    args = [str(tree) if a == "TREE" else a for a in args]
     assert main([str(exported("medusa")), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert match in err[-1] and err[-1].startswith("error:")
