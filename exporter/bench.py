@@ -5,7 +5,8 @@
         [--peers genai,hf,optimum] [--draft-model DIR] [--optimum-python PY] [--json F] [--png F] [--sweep]
 
 Systems: our runtime autoregressive (``ours-ar``) and speculative (``ours-spec``) on the export, per
-precision (int4 through the optimize stage); onnxruntime-genai on its own build of the same base
+precision (opt/int8/int4 through the optimize stage, each copy's tree re-tuned as optimize ships it;
+``--no-tune``: the export's tree); onnxruntime-genai on its own build of the same base
 (``genai``, ``genai-int4``: the anchor); HF ``generate`` greedy, with prompt-lookup decoding and
 with an assistant model (``hf``, ``hf-pld``, ``hf-assisted``); optimum's ``ORTModelForCausalLM``.
 Peers need ``--model-dir`` (the HF directory the export came from). Each system runs in its own

@@ -3,7 +3,8 @@
 Measures through the runtime's decoder (:mod:`graphs.runtime`); writes nothing: the pipeline
 (:func:`exporter.pipeline.tune_export`) bakes a new winner, records it and writes through the writer.
 
-1. verify cost: one base forward over n = 1..N positions (after a real prompt), median of repeats;
+1. verify cost: an n-node verify for n = 1..N after a real prompt, on the engine's own bound calls,
+   sizes taking turns, each after untimed calls of its own size (:func:`measure_verify`);
 2. acceptance on calibration prompts (greedy, so every run sees the same text):
    Medusa: per-head, per-rank accuracy of the heads' top-k against the base's own continuation;
    EAGLE: for each (topk, depth), one run with every drafted node verified; each step's accepted
@@ -58,12 +59,13 @@ def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7)
 
     Each size's cost is that of a call after calls of the same size, as the decode loop makes them: a
     call after one of another size pays for the switch, and it fades over a few calls (one-token calls
-    after a 64-token one, 19M int4 model: 1.03, 0.78, 0.66, 0.56, 0.51 ms), so each size runs ``WARM``
-    unmeasured calls, then ``TIMED`` measured ones, per round (one and one where a call takes
-    ``SLOW_CALL_S`` or more: the switch is noise there, and large models keep the tuner's time). The
-    sizes take turns round by round: a shared or virtual machine runs at one speed for seconds, then at
-    another (the same step at 0.65 ms, then at 0.30 ms), and measured one size after another, the curve
-    moved with the phases (five such runs put an 8-token call at 2.7x-4.1x one token)."""
+    after a 64-token one, 19M int4 model: 1.03, 0.78, 0.66, 0.56, 0.51 ms), so, after one untimed call
+    of every size (its allocations), each size runs ``WARM`` unmeasured calls, then ``TIMED`` measured
+    ones, per round (one and one where a call takes ``SLOW_CALL_S`` or more: the switch is noise
+    there, and large models keep the tuner's time). The sizes take turns round by round: a shared or
+    virtual machine runs at one speed for seconds, then at another (the same step at 0.65 ms, then at
+    0.30 ms), and measured one size after another, the curve moved with the phases (five such runs put
+    an 8-token call at 2.7x-4.1x one token)."""
     src = dec.manifest.source
     s, widest = len(prompt), max(sizes)
     kv = SlotCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, s + widest,
@@ -77,11 +79,13 @@ def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7)
             dec.base_forward(kv, tokens[None], s + tree.depth[None], tree.mask[None])
 
     calls = {n: (Tree.from_parents(np.arange(n) - 1), np.full(n, int(prompt[-1]), dtype=np.int64)) for n in sizes}
+    for tree, tokens in calls.values():  # each shape's first call (its allocations), not timed
+        call(tree, tokens)
     times = {n: [] for n in sizes}
     for _ in range(repeats):
         for n, (tree, tokens) in calls.items():
             t0 = time.perf_counter()
-            call(tree, tokens)  # the switch from the last size (and a new shape's allocations)
+            call(tree, tokens)  # the switch from the last size
             fast = time.perf_counter() - t0 < SLOW_CALL_S  # a slow call hides the switch: no more warm-up
             for _ in range(WARM - 1 if fast else 0):
                 call(tree, tokens)
