@@ -92,10 +92,10 @@ def main(argv=None) -> int:
         if args.tune is not None and tree is not None:  # never silently ignored
             raise UserError(f"--{'' if args.tune else 'no-'}tune and --tree: --tree fixes the tree every system runs; "
                             f"drop one of them")
-        if args.tune and not args.variants and not set(_csv(args.precisions)) - {"fp32"}:
-            raise UserError("--tune re-tunes the optimized copies bench makes (--precisions opt, int8 or int4); with "
-                            "fp32 alone there is none: tune the export itself (python -m exporter.tune OUT_DIR), or "
-                            "add an optimized precision")
+        if args.tune is not None and not args.variants and not set(_csv(args.precisions)) - {"fp32"}:
+            raise UserError(f"--{'' if args.tune else 'no-'}tune applies to the optimized copies bench makes "
+                            f"(--precisions opt, int8 or int4); with fp32 alone there is none: drop it, add an "
+                            f"optimized precision, or tune the export itself (python -m exporter.tune OUT_DIR)")
         if args.variants:
             from exporter.benchmark import variants
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             precisions=_csv(args.precisions), peers=_csv(args.peers), draft_model=args.draft_model,
             prompt_lookup=args.prompt_lookup, optimum_python=args.optimum_python,
             load_options=_load_options(args.load_option), sweep=args.sweep, work=args.work, logs=args.logs,
-            tune=args.tune is not False)
+            tune=args.tune)
         report = bench(args.out_dir, opts, log=lambda *a: print(*a, file=sys.stderr))
         for e in report["systems"]:
             print(R.line(e, report["anchor"]))

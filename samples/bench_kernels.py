@@ -165,10 +165,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    rows = [int(r) for r in args.rows.split(",")]
-    if args.k > args.n or min(rows) < 1:
-        print("error: --k must be <= --n (the chain keeps the first k columns) and every --rows >= 1",
-              file=sys.stderr)
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        rows = []
+    problem = next((msg for bad, msg in (
+        (not rows or rows[0] != 1 or rows != sorted(set(rows)),
+         f"--rows {args.rows!r} must be increasing row counts from 1, e.g. 1,2,4,8"),
+        (min(args.k, args.n, args.layers, args.rounds, args.threads) < 1,
+         "--k, --n, --layers, --rounds and --threads must each be >= 1"),
+        (args.k > args.n, f"--k {args.k} must be <= --n {args.n} (the chain keeps each call's first k columns)"),
+    ) if bad), None)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="bench-kernels.") as work:
         paths = build(args.k, args.n, args.layers, Path(work))

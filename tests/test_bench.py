@@ -99,7 +99,8 @@ def test_prompt_file_missing_or_binary(tmp_path):
     (["--top-p", "0"], "--top-p must be in"),
     (["--precisions", "int3"], "unknown precision or peer 'int3'"),
     (["--load-option", "nokey"], "expected KEY=VALUE"),
-    (["--tune"], "--tune re-tunes the optimized copies"),  # fp32 alone: nothing to re-tune
+    (["--tune"], "--tune applies to the optimized copies"),  # fp32 alone: nothing to re-tune
+    (["--no-tune"], "--no-tune applies to the optimized copies"),
     (["--tune", "--precisions", "fp32,int4", "--tree", "TREE"], "--tune and --tree"),
     (["--no-tune", "--precisions", "int4", "--tree", "TREE"], "--no-tune and --tree"),
 ])
@@ -299,3 +300,56 @@ def test_bench_precisions_measure_the_tree_optimize_ships(exported, tmp_path, mo
     assert rc == 0
     assert [c["tune"] for c in calls] == [tuned] and calls[0]["threads"] == 1
     assert json.loads(report.read_text())["settings"]["tune"] is tuned
+
+
+def test_our_optimized_copy_is_keyed_by_what_its_tree_depends_on(exported, tmp_path, monkeypatch):
+    """ours_variant: a tuned copy is keyed by the threads it was tuned with and the tuner's code (a copy
+    tuned with 1 thread was reused for 2, and after the tuner changed), an untuned one by neither; a reuse
+    says so."""
+    import exporter.pipeline
+
+    out = exported("medusa")
+    made = []
+
+    def fake_optimize(d, **kw):  # stands in for the optimize stage: records its keywords, writes a manifest
+        made.append(kw)
+        shutil.copy(out / "manifest.json", d / "manifest.json")
+
+    monkeypatch.setattr(exporter.pipeline, "optimize_export", fake_optimize)
+    logs = []
+    work = tmp_path / "work"
+    work.mkdir()
+    a, _ = S.ours_variant(out, "int4", work, logs.append, tune=True, threads=1)
+    b, _ = S.ours_variant(out, "int4", work, logs.append, tune=True, threads=2)
+    c, _ = S.ours_variant(out, "int4", work, logs.append, tune=False, threads=2)
+    again, _ = S.ours_variant(out, "int4", work, logs.append, tune=True, threads=1)
+    assert len({a, b, c}) == 3 and again == a
+    assert [(k["tune"], k["tune_threads"], k["quantize"]) for k in made] == [(True, 1, "int4"), (True, 2, "int4"),
+                                                                              (False, 2, "int4")]
+    assert any(line.startswith("  reusing our int4 variant") for line in logs)
+    monkeypatch.setattr(S, "_tuner_stamp", lambda: "other code")
+    assert S.ours_variant(out, "int4", work, logs.append, tune=True, threads=1)[0] != a
+    assert S.ours_variant(out, "int4", work, logs.append, tune=False, threads=2)[0] == c
+
+
+def test_bench_tune_on_an_export_without_a_drafter_is_refused(exported, capsys, monkeypatch):
+    """--tune with no drafter re-tuned nothing and said 'tree re-tuned'; the report's settings.tune said true."""
+    monkeypatch.setattr(S, "ours_variant", _no_work)
+    assert main([str(exported("base")), "--tune", "--precisions", "int4", "--peers", ""]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --tune: ") and "has no drafter" in err[-1] and "drop --tune" in err[-1]
+
+
+def _no_work(*a, **k):
+    raise AssertionError("refused input must be refused before any copy is made")
+
+
+def test_bench_settings_say_whether_trees_were_re_tuned(exported, tmp_path, monkeypatch):
+    """settings.tune: true only where an optimized copy with a drafter was re-tuned (it said true for fp32
+    alone and for exports without a drafter)."""
+    monkeypatch.setattr(S, "ours_variant", lambda out, *a, **k: (out, ""))
+    for kind, precisions, tuned in (("medusa", "fp32", False), ("base", "int4", False), ("medusa", "int4", True)):
+        report = tmp_path / f"{kind}-{precisions}.json"
+        assert main([str(exported(kind)), "--precisions", precisions, "--peers", "", "--repeats", "1",
+                     "--prompts", "1", "--max-new-tokens", "2", "--threads", "1", "--json", str(report)]) == 0
+        assert json.loads(report.read_text())["settings"]["tune"] is tuned, (kind, precisions)

@@ -43,3 +43,11 @@ def test_per_row_int8_is_close_to_the_float_matmul():
     (y,) = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     ref = (x @ w)[:, :64]
     assert np.abs(y - ref).max() < 0.02 * np.abs(ref).max()
+
+
+def test_bad_input_is_one_line(capsys):
+    for argv in (["--rows", "a"], ["--rows", "1,,2"], ["--rows", "3,1"], ["--rows", "2,4"], ["--rounds", "0"],
+                 ["--k", "0"], ["--layers", "0"], ["--k", "256", "--n", "128"]):
+        assert bench_kernels.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), (argv, err)

@@ -46,8 +46,9 @@ class BenchOptions:
     load_options: dict = field(default_factory=dict)  # extra graphs.load() keywords (eagle_draft=...)
     sweep: bool = False
     # our optimized precisions' default tree re-tuned for their own graphs, as `python -m exporter.optimize`
-    # ships them (int4's best tree is far smaller than float32's); ignored when ``tree`` is given
-    tune: bool = True
+    # ships them (int4's best tree is far smaller than float32's): None (default) where there is a drafter
+    # and no ``tree``; True: asked for (an error where nothing can be re-tuned); False: the export's tree
+    tune: bool | None = None
     work: str | None = None  # keep peers' builds here (default: a temporary directory)
     logs: str | None = None  # the workers' and builds' logs (default: kept in a temporary directory on failure)
 
@@ -83,6 +84,13 @@ class BenchOptions:
                       f"peers: {', '.join(PEERS)}")
 
 
+def tunes(opts: BenchOptions, manifest) -> bool:
+    """Whether this run re-tunes our optimized copies' trees (the report's ``settings.tune``): some
+    precision is optimized, the export has a drafter, no ``tree`` fixes the tree, and not turned off."""
+    return (opts.tune is not False and opts.tree is None and bool(manifest.drafter)
+            and any(p != "fp32" for p in opts.precisions))
+
+
 def check_writable(path, flag: str, *reads) -> None:
     """Fail before the run, not after it, if a report cannot be written where asked (or would land
     inside a directory the run reads): :func:`exporter.cli.check_output`."""
@@ -95,10 +103,13 @@ def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> 
     """The systems of this run, their models prepared (or the reason each is skipped)."""
     systems = []
     ours_base = {"runner": "ours", "threads": opts.threads, "load_options": opts.load_options}
+    if opts.tune and not manifest.drafter:  # never silently ignored
+        raise UserError(f"--tune: {out_dir} has no drafter, so there is no tree to re-tune; drop --tune")
+    tune = tunes(opts, manifest)
     for prec in opts.precisions:
         sfx = "" if prec == "fp32" else f"-{prec}"
         path, why = (out_dir, "") if prec == "fp32" else S.ours_variant(
-            out_dir, PRECISIONS[prec], work, log, tune=opts.tune and opts.tree is None, threads=opts.threads)
+            out_dir, PRECISIONS[prec], work, log, tune=tune, threads=opts.threads)
         ar = S.System(f"ours-ar{sfx}", "ours", {**ours_base, "out_dir": str(path), "mode": "autoregressive"},
                       precision=prec)
         mine = [ar]
@@ -306,7 +317,7 @@ def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, logs: Pat
                      "mean_prompt_tokens": sum(n_tokens) / len(n_tokens), "max_new_tokens": opts.max_new_tokens,
                      "repeats": opts.repeats, "temperature": opts.temperature, "top_p": opts.top_p,
                      "top_k": opts.top_k, "seed": opts.seed, "threads": opts.threads,
-                     "precisions": list(opts.precisions), "tune": opts.tune and opts.tree is None,
+                     "precisions": list(opts.precisions), "tune": tunes(opts, manifest),
                      "load_options": opts.load_options,
                      "drafter": manifest.drafter["kind"] if manifest.drafter else None,
                      "tree": opts.tree or manifest.tree},

@@ -190,14 +190,24 @@ def optimum_model(plain: Path, python: str, work: Path, log) -> tuple[Path | Non
     return _prepared(dst, cmd, "optimum's ONNX export", log, "config.json")
 
 
+def _tuner_stamp() -> str:
+    """A digest of the tune stage's code: a copy tuned by other code is not reused."""
+    import exporter.tuning
+
+    return hashlib.sha1(Path(exporter.tuning.__file__).read_bytes()).hexdigest()[:10]
+
+
 def ours_variant(out_dir: Path, quantize: str, work: Path, log, tune: bool = False,
                  threads: int | None = None) -> tuple[Path | None, str]:
     """A quantized copy of our export, by the optimize stage (:func:`exporter.pipeline.optimize_export`);
     ``tune``: its default tree re-tuned for the copy's graphs on this machine, as the optimize CLI does."""
     from exporter.pipeline import optimize_export
 
-    dst = work / f"ours-{quantize}{'-tuned' if tune else ''}-{_key(out_dir, quantize, tune)}"
+    # a tuned copy's tree depends on the threads it was measured with and on the tuner's code
+    stamp = (threads, _tuner_stamp()) if tune else ()
+    dst = work / f"ours-{quantize}{'-tuned' if tune else ''}-{_key(out_dir, quantize, tune, *stamp)}"
     if (dst / "manifest.json").is_file():
+        log(f"  reusing our {'fused fp32' if quantize == 'none' else quantize} variant {dst} (delete it to rebuild)")
         return dst, ""
     import shutil
 
