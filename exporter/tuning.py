@@ -67,7 +67,13 @@ def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7)
     0.30 ms), and measured one size after another, the curve moved with the phases (five such runs put
     an 8-token call at 2.7x-4.1x one token)."""
     src = dec.manifest.source
-    s, widest = len(prompt), max(sizes)
+    widest = max(sizes)
+    room = int(getattr(dec, "max_positions", 1 << 30)) - widest  # the widest call's positions stay the model's
+    if room < 1:
+        raise ValueError(f"measure_verify: a {widest}-token verify does not fit the model's "
+                         f"{dec.max_positions} positions")
+    prompt = list(prompt)[-room:]  # a long calibration prompt's end: its last positions would pass the limit
+    s = len(prompt)
     kv = SlotCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, s + widest,
                    headroom=widest, layout=dec.kv_layout)
     kv.add_row()

@@ -508,3 +508,29 @@ def test_tune_cli_forwards_its_documented_defaults_and_writes_the_report(monkeyp
     assert got[-1][1] == {"prompts": None, "provider": "cpu", "threads": 2, "budget_s": 7.0, "model_dir": None,
                           "max_new_tokens": 5}
     assert report.read_text() == '{\n  "best": {\n    "x": 1.5\n  }\n}\n'
+
+
+def test_measure_verify_keeps_the_widest_call_inside_the_models_positions(monkeypatch):
+    """A calibration prompt near max_position_embeddings: its end is used, so that the widest verify's
+    positions stay the model's (they ran past the limit, measured without a word)."""
+    monkeypatch.setattr(tuning, "time", Clock())
+    positions = []
+
+    class Dec(FakeDec):
+        dtype = np.float32
+        kv_layout = "bhsd"
+        max_positions = 20
+
+        def base_forward(self, kv, ids, pos, mask):
+            positions.append(int(pos.max()))
+            return {}
+
+        def presents(self, out):
+            return None
+
+        def verify_trees(self, kv, trees, tokens):
+            positions.append(int(kv.lens[0]) + len(tokens[0]) - 1)
+            return {}
+
+    tuning.measure_verify(Dec(), list(range(30)), sizes=(1, 8), repeats=1)
+    assert positions[0] == 11 and max(positions) == 19  # the prompt's last 12 tokens, then calls up to 8
