@@ -89,13 +89,13 @@ def main(argv=None) -> int:
         if args.png:  # say so before the run, not after it
             require_module("matplotlib", "--png", "'specexport[plot]' (or matplotlib)")
         tree = _read_tree(args.tree) if args.tree else None
-        if args.tune is not None and tree is not None:  # never silently ignored
-            raise UserError(f"--{'' if args.tune else 'no-'}tune and --tree: --tree fixes the tree every system runs; "
-                            f"drop one of them")
-        if args.tune is not None and not args.variants and not set(_csv(args.precisions)) - {"fp32"}:
-            raise UserError(f"--{'' if args.tune else 'no-'}tune applies to the optimized copies bench makes "
-                            f"(--precisions opt, int8 or int4); with fp32 alone there is none: drop it, add an "
-                            f"optimized precision, or tune the export itself (python -m exporter.tune OUT_DIR)")
+        tune_flag = {True: "--tune", False: "--no-tune"}.get(args.tune)  # as given; never silently ignored
+        if tune_flag and tree is not None:
+            raise UserError(f"{tune_flag} and --tree: --tree fixes the tree every system runs; drop one of them")
+        if tune_flag and not args.variants and not set(_csv(args.precisions)) - {"fp32"}:
+            raise UserError(f"{tune_flag} applies to the optimized copies bench makes (--precisions opt, int8 or "
+                            f"int4); with fp32 alone there is none: drop it, add an optimized precision, or tune the "
+                            f"export itself (python -m exporter.tune OUT_DIR)")
         if args.variants:
             from exporter.benchmark import variants
 

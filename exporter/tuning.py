@@ -52,9 +52,9 @@ SLOW_CALL_S = 0.02
 
 def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7) -> dict[int, float]:
     """Seconds per verify of an n-node tree after ``prompt`` (median of ``repeats``), on the engine's
-    own call path: a one-row :class:`graphs.slots.SlotCache` and :meth:`graphs.runtime.Decoder.verify_trees`
-    (arrays bound to the session once), or ``base_forward`` where the graphs take no bound call, as the
-    engine does (a per-call binding, as before, measured 4-5% more per call on the 19M int4 model:
+    own call path: a one-row :class:`graphs.slots.SlotCache` and :meth:`graphs.runtime.Decoder.verify`
+    (arrays bound to the session once, or ``base_forward`` where the graphs take no bound call, as the
+    engine does) (a per-call binding, as before, measured 4-5% more per call on the 19M int4 model:
     0.265 vs 0.254 ms at one token, 0.577 vs 0.550 ms at four).
 
     Each size's cost is that of a call after calls of the same size, as the decode loop makes them: a
@@ -68,7 +68,7 @@ def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7)
     an 8-token call at 2.7x-4.1x one token)."""
     src = dec.manifest.source
     widest = max(sizes)
-    room = int(getattr(dec, "max_positions", 1 << 30)) - widest  # the widest call's positions stay the model's
+    room = dec.max_positions - widest  # the widest call's positions stay the model's
     if room < 1:
         raise ValueError(f"measure_verify: a {widest}-token verify does not fit the model's "
                          f"{dec.max_positions} positions")
@@ -80,25 +80,23 @@ def measure_verify(dec, prompt: list[int], sizes=VERIFY_SIZES, repeats: int = 7)
     out = dec.base_forward(kv, np.array([prompt]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
     kv.commit(dec.presents(out), np.arange(s)[None], np.array([s]))
 
-    def call(tree, tokens):
-        if dec.verify_trees(kv, [tree], [tokens]) is None:  # no bound call for these graphs: as the engine
-            dec.base_forward(kv, tokens[None], s + tree.depth[None], tree.mask[None])
-
-    calls = {n: (Tree.from_parents(np.arange(n) - 1), np.full(n, int(prompt[-1]), dtype=np.int64)) for n in sizes}
-    for tree, tokens in calls.values():  # each shape's first call (its allocations), not timed
-        call(tree, tokens)
+    # per size: a one-row chain of n nodes (its arguments to Decoder.verify)
+    calls = {n: ([Tree.from_parents(np.arange(n) - 1)], [np.full(n, int(prompt[-1]), dtype=np.int64)])
+             for n in sizes}
+    for args in calls.values():  # each shape's first call (its allocations), not timed
+        dec.verify(kv, *args)
     times = {n: [] for n in sizes}
     for _ in range(repeats):
-        for n, (tree, tokens) in calls.items():
+        for n, args in calls.items():
             t0 = time.perf_counter()
-            call(tree, tokens)  # the switch from the last size
+            dec.verify(kv, *args)  # the switch from the last size
             fast = time.perf_counter() - t0 < SLOW_CALL_S  # a slow call hides the switch: no more warm-up
             for _ in range(WARM - 1 if fast else 0):
-                call(tree, tokens)
+                dec.verify(kv, *args)
             timed = TIMED if fast else 1
             t0 = time.perf_counter()
             for _ in range(timed):
-                call(tree, tokens)
+                dec.verify(kv, *args)
             times[n].append((time.perf_counter() - t0) / timed)
     return {n: statistics.median(t) for n, t in times.items()}
 

@@ -396,20 +396,11 @@ class Engine:
             proposals, t_draft, calls = self.proposer.propose(live, sizes)
         else:
             proposals, t_draft, calls = self.plain.propose(live, sizes)
-        # verify: every occupied row, its tree padded to the batch's width
+        # verify: every occupied row, its tree padded to the batch's width (on a bound call where there is one)
         width = max(len(cand) for _, cand in proposals)
         cands = [cand for _, cand in proposals]
         t0 = time.perf_counter()
-        out = self.dec.verify_trees(self.kv, [tree for tree, _ in proposals], cands)  # on a bound call
-        if out is None:  # the graphs take no bound call: the same inputs, made for this call
-            ids = np.full((n, width), self.dec.pad, dtype=np.int64)
-            depth = np.zeros((n, width), dtype=np.int64)
-            tmask = np.broadcast_to(np.eye(width, dtype=bool), (n, width, width)).copy()
-            for b, (tree, cand) in enumerate(proposals):
-                k = len(cand)
-                ids[b, :k], depth[b, :k], tmask[b, :k, :k] = cand, tree.depth, tree.mask
-            pos = self.kv.lens[:n, None] + depth
-            out = self.dec.base_forward(self.kv, ids, pos, tmask)
+        out = self.dec.verify(self.kv, [tree for tree, _ in proposals], cands)
         t_verify = time.perf_counter() - t0
         accepted, bonus = [None] * n, [0] * n
         logits = out[C.LOGITS]

@@ -251,6 +251,22 @@ class Decoder:
         bound = self.bound_call(kv, width) if width >= self.min_rows else None
         return None if bound is None else bound.trees(trees, tokens, kv.lens[: kv.n], self.pad)
 
+    def verify(self, kv, trees: list, tokens: list) -> dict:
+        """:meth:`verify_trees`, or where the graphs take no bound call the same inputs made for this
+        call and run through :meth:`base_forward`: every decode step's verify (the engine's, and the
+        tuner's timing of one)."""
+        out = self.verify_trees(kv, trees, tokens)
+        if out is not None:
+            return out
+        n, width = len(tokens), max(len(t) for t in tokens)
+        ids = np.full((n, width), self.pad, dtype=np.int64)
+        depth = np.zeros((n, width), dtype=np.int64)
+        tmask = np.broadcast_to(np.eye(width, dtype=bool), (n, width, width)).copy()
+        for b, (tree, cand) in enumerate(zip(trees, tokens)):
+            k = len(cand)
+            ids[b, :k], depth[b, :k], tmask[b, :k, :k] = cand, tree.depth, tree.mask
+        return self.base_forward(kv, ids, kv.lens[:n, None] + depth, tmask)
+
     def bound_call(self, kv, s: int):
         """The :class:`graphs.sessions.BoundCall` of ``s`` new tokens per occupied row of ``kv`` on the
         graph :meth:`_graph_for` picks for such calls (their tree masks put every node after its

@@ -59,9 +59,10 @@ class Ours:
     def step(self) -> None:
         b = self.batch
         out = self.dec.plain_step(self.kv, self.next)  # the engine's plain step: arrays bound once
-        if out is None:  # graphs without bound calls (K/V not written in place): as the engine does
-            out = self.dec.base_forward(self.kv, self.next[:, None], self.kv.lens[:b, None].copy(),
-                                        np.ones((b, 1, 1), dtype=bool))
+        if out is None:  # graphs without bound calls (K/V not written in place): the engine's general verify
+            from graphs.adaptive import root_only
+
+            out = self.dec.verify(self.kv, [root_only()] * b, [self.next[i : i + 1] for i in range(b)])
         self.kv.commit(self.dec.presents(out), np.zeros((b, 1), dtype=np.int64), np.ones(b, dtype=np.int64))
         self.next = out["logits"][:, -1].argmax(-1)
 

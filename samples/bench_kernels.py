@@ -8,9 +8,10 @@ A chain of ``--layers`` matmuls (K x N weights, the 19M model's MLP shape by def
 5632`` is TinyLlama-1.1B's) run bare under ONNX Runtime, one graph per kernel:
 
 - ``fp32``: MatMul (MLAS SGEMM);
-- ``int4-l0`` / ``int4-l4``: MatMulNBits, 4-bit blocks of 32 (ORT's MatMulNBitsQuantizer, as
-  ``exporter.optimize --quantize int4`` writes them) at accuracy level 0 (float compute) and 4 (int8
-  compute: activations quantized per row and block; the default, and onnxruntime-genai's);
+- ``int4-l0`` / ``int4-l4``: MatMulNBits, 4-bit blocks of 32 (``exporter.passes.quantize``: ORT's
+  MatMulNBitsQuantizer, as ``exporter.optimize --quantize int4`` writes them) at accuracy level 0
+  (float compute) and 4 (int8 compute: activations quantized per row and block; the default, and
+  onnxruntime-genai's);
 - ``int8-l4``: MatMulNBits with 8-bit blocks at level 4 (``--quantize int8``);
 - ``int8-tensor``: DynamicQuantizeMatMul (ORT's quantize_dynamic): activations quantized with one scale
   for the whole call, so a row's result depends on the other rows (not row-consistent: shown, never
@@ -36,6 +37,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # exporter, from a checkout
 
 
 def _chain(k: int, n: int, layers: int, rng):
@@ -102,17 +105,15 @@ def _per_row_int8(proto):
 def build(k: int, n: int, layers: int, work: Path, log=print) -> dict[str, Path]:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from exporter.passes.quantize import quantize_weights  # what `exporter.optimize --quantize` runs
 
     base = _chain(k, n, layers, np.random.default_rng(0))
     paths = {"fp32": work / "fp32.onnx"}
     onnx.save(base, paths["fp32"])
     for name, bits, level in (("int4-l0", 4, 0), ("int4-l4", 4, 4), ("int8-l4", 8, 4)):
-        q = MatMulNBitsQuantizer(onnx.load(paths["fp32"]), bits=bits, block_size=32, is_symmetric=True,
-                                 accuracy_level=level)
-        q.process()
         paths[name] = work / f"{name}.onnx"
-        q.model.save_model_to_file(str(paths[name]))
+        onnx.save(quantize_weights(onnx.load(paths["fp32"]), bits, 32, level)[0], paths[name])
     paths["int8-tensor"] = work / "int8-tensor.onnx"
     quantize_dynamic(str(paths["fp32"]), str(paths["int8-tensor"]), weight_type=QuantType.QInt8)
     paths["int8-row"] = work / "int8-row.onnx"

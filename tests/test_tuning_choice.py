@@ -18,6 +18,7 @@ import pytest
 from exporter import tuning
 from graphs import contract as C
 from graphs.adaptive import counterfactual_gain
+from graphs.runtime import Decoder
 from graphs.trees import Tree
 
 QUIET = dict(log=lambda *a, **k: None)
@@ -40,6 +41,10 @@ def _stats(**kw):
 
 
 class FakeDec:
+    max_positions = 1 << 30
+    pad = 0
+    verify = Decoder.verify  # the decoder's own verify over the fake's verify_trees / base_forward
+
     def __init__(self, kind="medusa", stats=None, records=None, heads=2):
         self.kind, self.provider = kind, "cpu"
         self.manifest = SimpleNamespace(source={"num_layers": 1, "num_kv_heads": 1, "head_dim": 2, "dtype": "float32"},

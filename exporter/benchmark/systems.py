@@ -206,13 +206,13 @@ def ours_variant(out_dir: Path, quantize: str, work: Path, log, tune: bool = Fal
     # a tuned copy's tree depends on the threads it was measured with and on the tuner's code
     stamp = (threads, _tuner_stamp()) if tune else ()
     dst = work / f"ours-{quantize}{'-tuned' if tune else ''}-{_key(out_dir, quantize, tune, *stamp)}"
+    what = f"our {'fused fp32' if quantize == 'none' else quantize} variant"
     if (dst / "manifest.json").is_file():
-        log(f"  reusing our {'fused fp32' if quantize == 'none' else quantize} variant {dst} (delete it to rebuild)")
+        log(f"  reusing {what} {dst} (delete it to rebuild)")
         return dst, ""
     import shutil
 
-    log(f"  preparing our {'fused fp32' if quantize == 'none' else quantize} variant"
-        f"{' (tree re-tuned)' if tune else ''} -> {dst}")
+    log(f"  preparing {what}{' (tree re-tuned)' if tune else ''} -> {dst}")
     tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=work))
     try:
         shutil.copytree(out_dir, tmp, dirs_exist_ok=True)
