@@ -416,6 +416,21 @@ class Planner:
             return w_max
         return 1
 
+    def plain_ahead(self) -> int:
+        """Plain steps :meth:`plan` has already decided after the one it just planned plain (a reused
+        plain decision: the same rows, no probe due); the engine may run them without asking, calling
+        :meth:`planned_plain` for each (the rows must stay the same)."""
+        if self.last_width != 1 or self._reused_for is None:
+            return 0
+        return max(min(self._reuse, self.wait - self.plain_run), 0)
+
+    def planned_plain(self) -> None:
+        """One of :meth:`plain_ahead`'s steps ran: what :meth:`plan` records for it."""
+        self._reuse -= 1
+        self.plain_run += 1
+        self.fast = False
+        self.history.append(1)
+
     def end_fast(self) -> None:
         """A draft was wholly rejected inside a reused full-tree window: decide afresh next step."""
         self._fast_left = 0

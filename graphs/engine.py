@@ -75,6 +75,10 @@ class EngineConfig:
     """Requests that may wait for a row (None: unbounded); beyond, add_request raises CapacityError."""
     max_tree: int = 64
     """Nodes of the largest tree a request may verify (K/V headroom past a full row)."""
+    plain_run_s: float = 0.01
+    """Seconds of plain (autoregressive) steps one ``step()`` may run in a row while nothing else can
+    happen (no request arrives, finishes or waits for a row): the same calls as one at a time, the
+    Python around them paid once (events then carry the run's tokens). 0: one step per call."""
 
     def __post_init__(self):
         for name in ("max_batch", "prefill_chunk", "step_tokens", "max_tree"):
@@ -83,6 +87,10 @@ class EngineConfig:
                 raise InputError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
         if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 2):
             raise InputError(f"EngineConfig.max_len must be an int >= 2, got {self.max_len!r}")
+        if (isinstance(self.plain_run_s, bool) or not isinstance(self.plain_run_s, (int, float))
+                or not 0 <= self.plain_run_s <= 60):
+            raise InputError(f"EngineConfig.plain_run_s must be a number of seconds in [0, 60], "
+                             f"got {self.plain_run_s!r}")
         if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 0):
             raise InputError(f"EngineConfig.max_waiting must be an int >= 0 or None, got {self.max_waiting!r}")
 
@@ -265,6 +273,7 @@ class Engine:
                 if any(r.state == DECODING for r in self._rows):
                     events += self._decode()
                 self._retire()
+                self._take_commands()  # requests that came during the decode are admitted now
                 self._admit()
                 events += self._prefill()
                 self._retire()
@@ -453,53 +462,99 @@ class Engine:
         return events
 
     def _plain_step(self, live: list, t_start: float) -> list | None:
-        """A step in which no row drafts: every row verifies its root (the autoregressive step), on the
-        step the decoder binds once (:meth:`graphs.runtime.Decoder.plain_step`). It is the general
+        """Plain steps, in which no row drafts: every row verifies its root (the autoregressive step), on
+        the call the decoder binds once (:meth:`graphs.runtime.Decoder.plain_steps`). It is the general
         path with a one-node tree per row, whose tree arrays, acceptance walk and K/V moves are the
         identity: the root's token is the row's sampled token, each row keeps its one new column.
-        Returns None (nothing done) where the graphs take no bound step: the general path runs then."""
-        t0 = time.perf_counter()
-        roots = [0 if r is None else r.root for r in live]  # a prefilling row computes a column it never keeps
-        out = self.dec.plain_step(self.kv, roots)
-        if out is None:
+
+        Several such steps run in a row (:meth:`_plain_run`: for up to ``EngineConfig.plain_run_s``)
+        while nothing could happen between them: each computes what it computes alone (the same
+        call, inputs and sampler draws), and the Python around a step (admission, statistics,
+        events: ~0.1 ms, a tenth of a small int4 model's step) is paid once for the run; its tokens
+        come in one event per row, as a speculative step's do. Returns None (nothing done) where the
+        graphs take no bound step: the general path runs then."""
+        call, most = self.dec.plain_steps(self.kv, self._plain_run(live))
+        if call is None:
             return None
-        t_verify = time.perf_counter() - t0
         n = len(live)
-        logits = out[C.LOGITS]  # (n, 1, V): the distribution after each row's root
+        roots = [0 if r is None else r.root for r in live]  # a prefilling row computes a column it never keeps
+        first = list(roots)
+        counts = np.array([0 if r is None else 1 for r in live], dtype=np.int64)
+        lens = self.kv.lens[: self.kv.n]
         tree = root_only()
-        bonus, counts = [0] * n, [0] * n
-        for b, req in enumerate(live):
-            if req is None:
-                continue
-            counts[b] = 1
-            # the sampler's own one-node acceptance, as the general path makes it (greedy: the argmax;
-            # sampled: the same random stream)
-            bonus[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
-        self.kv.keep_new(counts)  # each decoding row keeps the one column the graph wrote
-        if any(r is not None and r.draft is not None for r in live):  # drafter state to keep up to date
-            accepted = [None if r is None else [0] for r in live]
-            cands = [np.array([x], dtype=np.int64) for x in roots]
-            self.proposer.advance(live, out, accepted, bonus, cands, np.asarray(counts))
-        self.planner.costs.add_verify(n, t_verify)
-        self._count_step(False, t_verify, 0.0, 0)
+        drafts = any(r is not None and r.draft is not None for r in live)  # drafter state to keep up to date
+        adaptive = any(r is not None and r.speculation != "off" for r in live)
+        toks = [[] for _ in range(n)]
+        steps, t_verify = 0, 0.0
+        end = t_start + self.config.plain_run_s
+        deadline = min((r.deadline for r in live if r is not None and r.deadline is not None), default=None)
+        while True:
+            t0 = time.perf_counter()
+            out = call.step(roots, lens)
+            t1 = time.perf_counter()
+            t_verify += t1 - t0
+            steps += 1
+            logits = out[C.LOGITS]  # (n, 1, V): the distribution after each row's root
+            ends = False
+            for b, req in enumerate(live):
+                if req is None:
+                    continue
+                # the sampler's own one-node acceptance, as the general path makes it (greedy: the
+                # argmax; sampled: the same random stream)
+                t = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
+                toks[b].append(t)
+                ends = ends or t in req.eos
+            self.kv.keep_new(counts)  # each decoding row keeps the one column the graph wrote
+            if drafts:
+                cands = [np.array([x], dtype=np.int64) for x in roots]
+                bonus = [0 if r is None else toks[b][-1] for b, r in enumerate(live)]
+                self.proposer.advance(live, out, [None if r is None else [0] for r in live], bonus, cands, counts)
+            for b, req in enumerate(live):
+                if req is not None:
+                    roots[b] = toks[b][-1]
+            # a row that ends, a request that arrives or is cancelled, a deadline, the time: the run ends
+            if (ends or steps >= most or t1 >= end or self._incoming or self._cancels
+                    or (deadline is not None and t1 >= deadline)):
+                break
+            if adaptive:
+                self.planner.planned_plain()  # the next step is one the policy already decided
+        self.planner.costs.add_verify(n, t_verify / steps)
+        self._count_step(False, t_verify, 0.0, 0, steps)
         events = []
-        watchers = self.dec.watchers()
+        watchers = self.dec.watchers()  # (a run is one step where there are any)
         for b, req in enumerate(live):
             if req is None:
                 continue
-            req.stats.plain_steps += 1
-            cand = np.array(roots[b : b + 1], dtype=np.int64) if watchers else None  # (only watchers read it)
-            ev = self._accepted(req, tree, cand, [0], bonus[b], t_verify, watchers)
+            req.stats.plain_steps += steps
+            if watchers:
+                self._watched(req, tree, np.array(first[b : b + 1], dtype=np.int64), [0], toks[b][0], watchers)
+            ev = self._moved(req, [1] * steps, toks[b], t_verify)
             if ev is not None:
                 events.append(ev)
-        self.planner.costs.add_host(False, time.perf_counter() - t_start - t_verify, n)
+        self.planner.costs.add_host(False, (time.perf_counter() - t_start - t_verify) / steps, n)
         return events
 
-    def _count_step(self, drafted: bool, t_verify: float, t_draft: float, calls: int) -> Stats:
-        """The engine's totals after one decode step; returns them."""
+    def _plain_run(self, live: list) -> int:
+        """Plain steps one call of :meth:`_plain_step` may run: 1 where anything may happen between
+        two steps that the engine's loop must see (a prefilling row, a request that could take a
+        free row, a watcher of each verify); where rows may speculate, the plain steps the adaptive
+        policy has already decided (:meth:`graphs.adaptive.Planner.plain_ahead`); else as many as
+        every row has room for. The run also ends at an end token, an arriving or cancelled request,
+        a deadline, after ``plain_run_s``."""
+        if self.config.plain_run_s <= 0 or None in live or self.dec.watchers():
+            return 1
+        if self._waiting and len(self._rows) < self.config.max_batch:
+            return 1
+        room = max(1, min(min(r.max_new, self.max_len - len(r.prompt)) - len(r.tokens) for r in live))
+        if any(r.speculation != "off" for r in live):  # the policy chooses the widths: the steps it already has
+            return min(room, 1 + self.planner.plain_ahead())
+        return room
+
+    def _count_step(self, drafted: bool, t_verify: float, t_draft: float, calls: int, steps: int = 1) -> Stats:
+        """The engine's totals after one decode step (or a run of ``steps`` plain ones); returns them."""
         tot = self.totals
-        tot.steps += 1
-        tot.plain_steps += not drafted
+        tot.steps += steps
+        tot.plain_steps += 0 if drafted else steps
         tot.time_verify += t_verify
         tot.time_draft += t_draft
         tot.draft_calls += calls
@@ -508,19 +563,26 @@ class Engine:
     def _accepted(self, req: Request, tree, cand, a: list, bonus: int, t_verify: float, watchers: list):
         """Row ``req`` verified ``tree`` (tokens ``cand``) and accepted nodes ``a`` then ``bonus``: its
         statistics, position and root move on, the watchers see it, its tokens are emitted."""
-        tot = self.totals
         if watchers:
-            rec = VerifyRecord(req.id, tree, cand, req.position, list(a), bonus, tot.steps)
-            for w in watchers:
-                w.append(rec)
-        st = req.stats
-        st.steps += 1
-        st.time_verify += t_verify
-        st.accepted.append(len(a))
-        tot.accepted.append(len(a))
-        req.position += len(a)
-        req.root = bonus
+            self._watched(req, tree, cand, a, bonus, watchers)
         toks = [int(x) for x in cand[a[1:]]] + [bonus] if len(a) > 1 else [bonus]
+        return self._moved(req, [len(a)], toks, t_verify)
+
+    def _watched(self, req: Request, tree, cand, a: list, bonus: int, watchers: list) -> None:
+        rec = VerifyRecord(req.id, tree, cand, req.position, list(a), bonus, self.totals.steps)
+        for w in watchers:
+            w.append(rec)
+
+    def _moved(self, req: Request, accepted: list[int], toks: list[int], t_verify: float):
+        """Row ``req``'s steps (one, or a run of plain ones) accepted ``accepted[i]`` tokens each, ``toks``
+        in all, the last the row's new root: its statistics and position move on, the tokens are emitted."""
+        st = req.stats
+        st.steps += len(accepted)
+        st.time_verify += t_verify
+        st.accepted += accepted
+        self.totals.accepted += accepted
+        req.position += sum(accepted)
+        req.root = toks[-1]
         return self._emit(req, toks)
 
     # ------------------------------------------------------------------ emit and retire

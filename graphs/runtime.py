@@ -240,8 +240,24 @@ class Decoder:
         None where the graphs take no bound call (K/V not written in place, or one-token calls
         padded to ``min_rows``): use :meth:`base_forward`. It computes what base_forward computes for
         the same call (the same graph, the same inputs), on arrays bound once (graphs.sessions.BoundCall)."""
-        bound = self.bound_call(kv, 1) if self.min_rows == 1 else None
-        return None if bound is None else bound.step(roots, kv.lens[: kv.n])
+        call, _ = self.plain_steps(kv, 1)
+        return None if call is None else call.step(roots, kv.lens[: kv.n])
+
+    def plain_steps(self, kv, most: int) -> tuple:
+        """The bound call of up to ``most`` plain steps in a row of every occupied row of ``kv``, and
+        how many it may run: ``(call, k)``, each ``call.step(roots, kv.lens[:kv.n])`` the call
+        :meth:`plain_step` makes (K/V room reserved for the k; k stops where the one-sequence
+        graph's positions end, so that each step runs on the graph a step alone would take).
+        ``(None, 0)`` where :meth:`plain_step` returns None."""
+        if self._in_place is None or self.min_rows != 1:
+            return None, 0
+        top = kv.top()
+        k = max(1, min(int(most), kv.limit - top))
+        if self._one_sequence is not None and top + 1 <= self._one_sequence_columns:
+            k = min(k, self._one_sequence_columns - top)
+        kv.reserve_columns(top + k)
+        call = self._graph(top + k, 1, False).bound_on(kv, 1)
+        return (None, 0) if call is None else (call, k)
 
     def verify_trees(self, kv, trees: list, tokens: list) -> dict | None:
         """One verify of every occupied row of ``kv``: row b's tree ``trees[b]`` with its tokens

@@ -12,12 +12,14 @@ taking a bound call for every decode step.
 from __future__ import annotations
 
 import shutil
+import time
 
 import numpy as np
 import pytest
 
 from exporter.optimize import optimize_export
 from graphs import contract as C
+from graphs.sessions import BoundCall
 from graphs.slots import SlotCache
 
 QUIET = dict(progress=None, time_gain=False, tune=False)
@@ -171,7 +173,7 @@ def _decode(dec, requests: list[dict], max_batch: int = 3) -> tuple[list, int]:
     return [tuple(got[i]) for i in ids], engine.totals.plain_steps
 
 
-def test_the_engine_decodes_on_bound_calls_exactly_as_without_them(exports):
+def test_the_engine_decodes_on_bound_calls_exactly_as_without_them(exports, monkeypatch):
     """Greedy and seeded sampled requests, with speculation off, on and adaptive, arriving and
     leaving: every token and text equal to the engine's without bound calls (plain_step and
     verify_trees disabled), every decode step on a bound call (none of the per-call bindings left),
@@ -199,14 +201,22 @@ def test_the_engine_decodes_on_bound_calls_exactly_as_without_them(exports):
             return inner(kv, feed, rows)
 
         run.bound_on, run.run_on = counted_bound, counted_run
+    steps = []  # each bound plain step's rows (a bound call runs several in a row: Engine._plain_run)
+    real_step = BoundCall.step
+    monkeypatch.setattr(BoundCall, "step", lambda self, roots, lens: steps.append(len(roots)) or
+                        real_step(self, roots, lens))
     got, plain = _decode(fast, requests)
 
     general = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
-    general.plain_step = general.verify_trees = lambda kv, *a: None
+    general.plain_steps = lambda kv, most: (None, 0)
+    general.verify_trees = lambda kv, *a: None
+    steps_before = len(steps)
     want, _ = _decode(general, requests)
+    assert len(steps) == steps_before  # the general path took no bound step
     assert got == want
     assert sum(b for b, _ in unbound) == len(requests), unbound  # each prompt's one prefill, nothing else
-    assert sum(s == 1 for _, s in bound) == plain > 10, (bound, plain)
+    assert len(steps) == plain > 10, (steps, plain)  # every step that drafts nothing on a bound step
+    assert sum(s == 1 for _, s in bound) <= plain  # a bound call made once for a run of steps
     assert any(s > 1 for _, s in bound)  # trees verified on bound calls too
     assert max(n for n, _ in bound) == 3  # calls of several rows (some of them still prefilling)
     # and the general path is what the bound step replaces: greedy autoregressive, request by request
@@ -291,7 +301,13 @@ def test_the_host_time_benchmark_runs_as_it_says(exports, capsys):
     bench_host.main([str(exports["one-sequence"]), "--speculation", "adaptive", "--tokens", "60", "--runs", "1",
                      "--threads", "1"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("run 1: host ") and "tokens a step" in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("run 1: host ") and "us a token" in lines[0], lines
+    bench_host.main([str(exports["one-sequence"]), "--tokens", "60", "--runs", "2", "--threads", "1",
+                     "--plain-run-s", "0,60"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == [f"run {r} plain_run_s={s}" for r in (1, 2) for s in (0, 60)]
+    per_step = [float(ln.split(", ")[-1].split()[0]) for ln in lines]
+    assert per_step[0] == per_step[2] == 1.0 and per_step[1] > 5  # one token a step, or a run of them
 
 
 @pytest.mark.parametrize("name", ["one-sequence", "raw"])
@@ -327,3 +343,170 @@ def test_the_context_benchmark_steps_as_the_engine_does(exports, name):
     assert calls["base_forward"] - before["base_forward"] == (0 if name == "one-sequence" else 3)
     assert ours.kv.lens[:2].tolist() == [11, 11]  # 8 prefilled + 3 steps, each committed
     assert all(t.shape == (2,) for t in seen)
+
+
+def _drive(engine, requests: list[dict], on_step=None) -> tuple[dict, list]:
+    """Every request added at once; each request's (tokens, text, finish reason), and the events'
+    token counts of each ``engine.step()`` call."""
+    ids = [engine.add_request(**r) for r in requests]
+    got = {rid: [[], "", None] for rid in ids}
+    calls = []
+    while engine.has_pending_requests():
+        events = engine.step()
+        calls.append([len(ev.token_ids) for ev in events])
+        for ev in events:
+            g = got[ev.request_id]
+            g[0] += ev.token_ids
+            g[1] += ev.text
+            g[2] = ev.finish_reason or g[2]
+    return [tuple(got[i]) for i in ids], calls
+
+
+def test_plain_runs_decode_what_single_steps_decode(exports):
+    """Several plain steps in one engine step (EngineConfig.plain_run_s) emit exactly the tokens,
+    text and finish reasons of one step per call: greedy and seeded sampling, an end token in the
+    middle of a run, a stop string, rows of different lengths, requests waiting for a row; the
+    runs took fewer engine steps for the same base calls, their events carrying several tokens."""
+    import graphs
+    from graphs.engine import EngineConfig
+
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    dec.eos = set()
+    requests = [dict(prompt=[5, 9, 3], max_new_tokens=30), dict(prompt=[7, 1, 4, 4, 2, 8], max_new_tokens=21),
+                dict(prompt=[11, 2], max_new_tokens=25, temperature=0.9, seed=3),
+                dict(prompt=[3, 3, 8, 1], max_new_tokens=17, temperature=0.7, top_k=20, seed=5),
+                dict(prompt=[4, 4], max_new_tokens=12)]
+    for r in requests:
+        r["speculation"] = "off"
+    single = dict(max_batch=3, plain_run_s=0)
+    first, _ = _drive(dec.engine(EngineConfig(**single)), requests[:1])
+    requests[0]["eos_token_id"] = first[0][0][13]  # an end token in the middle of a run
+    want, calls_single = _drive(dec.engine(EngineConfig(**single)), requests)
+    engine = dec.engine(EngineConfig(max_batch=3, plain_run_s=60))
+    got, calls_run = _drive(engine, requests)
+    assert got == want
+    assert got[0][2] == "eos" and len(got[0][0]) == 1 + first[0][0].index(first[0][0][13])
+    assert max(max(c, default=0) for c in calls_run) > 1  # events carrying a run's tokens
+    assert len(calls_run) < len(calls_single) / 2
+    # the same base calls: each run ended where a row ended (nothing computed past its end)
+    single_engine = dec.engine(EngineConfig(**single))
+    _drive(single_engine, requests)
+    assert engine.totals.steps == single_engine.totals.steps
+    assert engine.totals.plain_steps == engine.totals.steps
+    # a stop string: the same text and tokens (a run may compute past it; its tokens are dropped)
+    text = want[1][1]
+    stop = dict(requests[1], stop=text[len(text) // 2 : len(text) // 2 + 2])
+    assert _drive(dec.engine(EngineConfig(max_batch=3, plain_run_s=60)), [stop])[0] == \
+        _drive(dec.engine(EngineConfig(**single)), [stop])[0]
+
+
+def test_a_plain_run_ends_when_a_request_arrives_is_cancelled_or_expires(exports, monkeypatch):
+    """A run of plain steps stops after the step during which a request arrived (it is admitted at
+    once), a request was cancelled (from another thread), or a deadline passed; rows that may
+    speculate get the plain steps the policy decided (below), a watcher of each verify one step per call."""
+    import threading
+
+    import graphs
+    from graphs.engine import EngineConfig
+
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    dec.eos = set()
+    calls = []
+    hooks = {}
+    real_step = BoundCall.step
+
+    def step(self, roots, lens):
+        calls.append(len(roots))
+        hook = hooks.pop(len(calls), None)
+        if hook is not None:
+            hook()
+        return real_step(self, roots, lens)
+
+    monkeypatch.setattr(BoundCall, "step", step)
+    engine = dec.engine(EngineConfig(max_batch=3, plain_run_s=60))
+    a = engine.add_request([5, 9, 3], max_new_tokens=40, speculation="off")
+    engine.step()  # the prefill
+    # a request arrives during the run's third step: the run ends there, the next step admits it
+    calls.clear()
+    hooks[3] = lambda: engine.add_request([7, 1, 4], max_new_tokens=40, speculation="off")
+    events = engine.step()
+    assert len(calls) == 3 and [len(e.token_ids) for e in events] == [3, 1]  # the new one's first token
+    assert engine.kv.n == 2  # admitted and prefilled by the same engine step
+    # a cancel from another thread during the second step of the next run
+    calls.clear()
+    b = max(engine._by_id)
+
+    def cancel():
+        t = threading.Thread(target=engine.remove_request, args=(b,))
+        t.start()
+        t.join()
+
+    hooks[2] = cancel
+    events = engine.step()
+    assert len(calls) == 2
+    assert {e.request_id: e.finish_reason for e in events}[b] == "cancelled"
+    # a deadline: the run stops at it, the next step finishes the request
+    engine.remove_request(a)
+    engine.step()
+    slow = engine.add_request([5, 9, 3], max_new_tokens=200, speculation="off", deadline_s=0.3)
+    engine.step()
+    calls.clear()
+    monkeypatch.setattr(BoundCall, "step", lambda self, roots, lens: time.sleep(0.01) or step(self, roots, lens))
+    events = engine.step()
+    assert 3 <= len(calls) < 40 and not events[0].finish_reason
+    assert {e.request_id: e.finish_reason for e in engine.step()}[slow] == "deadline"
+    # one step per call where a watcher records each verify
+    engine = dec.engine(EngineConfig(max_batch=3, plain_run_s=60))
+    engine.add_request([5, 9, 3], max_new_tokens=12, speculation="off")
+    engine.step()
+    with dec.watch_verify() as seen:
+        while engine.has_pending_requests():
+            calls.clear()
+            engine.step()
+            assert len(calls) <= 1
+    assert len(seen) == 11
+
+
+@pytest.mark.parametrize("bad", [-0.1, "1", True, 61])
+def test_plain_run_seconds_are_checked(bad):
+    from graphs.engine import EngineConfig
+    from graphs.errors import InputError
+
+    with pytest.raises(InputError, match=r"EngineConfig\.plain_run_s must be a number of seconds in"):
+        EngineConfig(plain_run_s=bad)
+
+
+def test_adaptive_plain_steps_run_in_a_row_as_the_policy_decided_them(exports):
+    """Where the adaptive policy has already decided the next plain steps (a reused plain decision:
+    Planner.plain_ahead), they run in one engine step: the same tokens, the same width at every step
+    (probes included) and the same base calls as one step per call, in fewer engine steps. Costs
+    are fixed (drafting never pays) so that both engines decide alike."""
+    import graphs
+    from graphs.adaptive import AdaptiveConfig, Costs, Planner
+    from graphs.engine import Engine, EngineConfig
+
+    class FixedCosts(Costs):
+        def __init__(self):
+            super().__init__()
+            self.verify.update({1: 1e-3, 64: 1.0})
+            self.draft[1] = 1.0
+            self.host_plain[1] = self.host_spec[1] = 0.0
+
+        def _avg(self, table, key, value):  # measured times change nothing
+            pass
+
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    dec.eos = set()
+    requests = [dict(prompt=[5, 9, 3], max_new_tokens=60, speculation="adaptive"),
+                dict(prompt=[7, 1, 4, 4], max_new_tokens=45, speculation="adaptive")]
+    runs = []
+    for run_s in (0, 60):
+        planner = Planner(AdaptiveConfig(), costs=FixedCosts())
+        engine = Engine(dec, EngineConfig(max_batch=2, plain_run_s=run_s), planner=planner)
+        got, calls = _drive(engine, requests)
+        runs.append((got, calls, list(planner.history), engine.totals))
+    (got0, calls0, widths0, tot0), (got1, calls1, widths1, tot1) = runs
+    assert got0 == got1
+    assert widths0 == widths1 and widths0.count(1) > 10 and max(widths0) > 1  # plain steps and probes
+    assert (tot0.steps, tot0.plain_steps) == (tot1.steps, tot1.plain_steps)
+    assert len(calls1) < len(calls0) - 10  # plain steps ran in a row

@@ -294,3 +294,14 @@ def test_an_export_that_cannot_load(tmp_path):
         assert r.status_code == 503 and r.json()["status"] == "failed" and "missing" in r.json()["error"]
     proc = run_module("graphs.serve", tmp_path / "missing", "--port", "0", timeout=60)
     assert proc.returncode == 2 and "error: cannot serve" in proc.stderr
+
+
+def test_a_bad_plain_run_is_refused_in_one_line(tmp_path):
+    from graphs.errors import InputError
+    from graphs.serve.config import ServeConfig
+
+    with pytest.raises(InputError, match=r"plain_run_s must be a number of seconds in \[0, 60\], got -1"):
+        ServeConfig(plain_run_s=-1)
+    proc = run_module("graphs.serve", tmp_path, "--plain-run-s", "-1", timeout=60)
+    assert proc.returncode != 0 and "plain_run_s must be a number of seconds" in proc.stderr
+    assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) <= 2, proc.stderr

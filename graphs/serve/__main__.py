@@ -27,6 +27,8 @@ FLAGS = {  # field -> help (the dataclass holds the defaults and the long explan
     "prefill_chunk": "prompt tokens per prefill call (default 64)",
     "step_tokens": "token budget of one engine step (default 256)",
     "max_tree": "largest tree (nodes) a request may ask for (default 64)",
+    "plain_run_s": "seconds of autoregressive steps run in a row while nothing arrives or ends "
+                   "(default 0.01; 0: one step at a time)",
     "retry_after": "seconds in a 429's Retry-After header (default 1)",
     "template_timeout": "seconds a chat template may render for (default 1)",
     "template_max_chars": "characters a rendered chat template may reach (default 1 Mi)",

@@ -82,7 +82,7 @@ class ServerState:
         dec = graphs.load(self.out_dir, provider=cfg.provider, threads=cfg.threads, verify=verify,
                           eagle_draft=cfg.eagle_draft, adaptive=cfg.adaptive)
         ecfg = EngineConfig(max_batch=cfg.max_running, max_len=cfg.max_model_len, prefill_chunk=cfg.prefill_chunk,
-                            step_tokens=cfg.step_tokens, max_tree=cfg.max_tree)
+                            step_tokens=cfg.step_tokens, max_tree=cfg.max_tree, plain_run_s=cfg.plain_run_s)
         worker = Worker(dec, ecfg, self.metrics, max_queue=cfg.max_queue)
         try:
             self.template = ChatTemplate.from_export(self.out_dir, time_limit=cfg.template_timeout,

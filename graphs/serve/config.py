@@ -40,6 +40,9 @@ class ServeConfig:
     step_tokens: int = 256
     max_tree: int = 64
     """Largest tree (nodes) a request's ``tree`` may ask for."""
+    plain_run_s: float = 0.01
+    """Seconds of autoregressive steps the engine may run in a row while no request arrives, ends or
+    is cancelled (EngineConfig.plain_run_s): a stream's chunks then carry that many seconds of tokens."""
     retry_after: int = 1
     """Seconds in the Retry-After header of a 429."""
     template_timeout: float = 1.0
@@ -63,6 +66,9 @@ class ServeConfig:
             raise InputError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise InputError(f"request_timeout must be > 0 seconds, got {self.request_timeout!r}")
+        if (isinstance(self.plain_run_s, bool) or not isinstance(self.plain_run_s, (int, float))
+                or not 0 <= self.plain_run_s <= 60):
+            raise InputError(f"plain_run_s must be a number of seconds in [0, 60], got {self.plain_run_s!r}")
         if not 0 <= self.port <= 65535:
             raise InputError(f"port must be in [0, 65535], got {self.port}")
 
