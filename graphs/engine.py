@@ -58,6 +58,9 @@ from graphs.results import RequestEvent, Sampler, Stats
 from graphs.slots import SlotCache
 
 WAITING, PREFILL, DECODING, DONE = "waiting", "prefill", "decoding", "done"
+# Plain steps one run may take at most: the K/V room a run reserves ahead (its rows grow as they
+# fill, not to their whole length at once); a tiny model's 0.1 ms steps fill plain_run_s with fewer.
+PLAIN_RUN_MAX = 64
 _MODES = {"off": SPEC_OFF, "on": SPEC_ON, "adaptive": SPEC_ADAPTIVE}
 
 
@@ -539,13 +542,13 @@ class Engine:
         two steps that the engine's loop must see (a prefilling row, a request that could take a
         free row, a watcher of each verify); where rows may speculate, the plain steps the adaptive
         policy has already decided (:meth:`graphs.adaptive.Planner.plain_ahead`); else as many as
-        every row has room for. The run also ends at an end token, an arriving or cancelled request,
-        a deadline, after ``plain_run_s``."""
+        every row has room for, at most PLAIN_RUN_MAX. The run also ends at an end token, an arriving
+        or cancelled request, a deadline, after ``plain_run_s``."""
         if self.config.plain_run_s <= 0 or None in live or self.dec.watchers():
             return 1
         if self._waiting and len(self._rows) < self.config.max_batch:
             return 1
-        room = max(1, min(min(r.max_new, self.max_len - len(r.prompt)) - len(r.tokens) for r in live))
+        room = max(1, min(PLAIN_RUN_MAX, *(min(r.max_new, self.max_len - len(r.prompt)) - len(r.tokens) for r in live)))
         if any(r.speculation != "off" for r in live):  # the policy chooses the widths: the steps it already has
             return min(room, 1 + self.planner.plain_ahead())
         return room
