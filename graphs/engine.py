@@ -179,6 +179,7 @@ class Engine:
         self._stepping = False
         self._finished = False  # a request finished since the last _retire (its row, if any, to free)
         self._deadlines = False  # a request with a deadline was added (_expire has something to check)
+        self._interrupt = False  # interrupt(): end the plain run in progress
 
     # ------------------------------------------------------------------ requests
 
@@ -244,6 +245,13 @@ class Engine:
         self._finish(req, "cancelled")
         self._removed.append(self._event(req, []))
         self._retire()
+
+    def interrupt(self) -> None:
+        """End the run of plain steps in progress after its current step (or the next run's after its
+        first, when none is running). Any thread: a caller that keeps its own queue of requests and
+        cancellations for the engine's thread (the server's worker) calls it when it queues one, as
+        :meth:`add_request` and :meth:`remove_request` end a run themselves."""
+        self._interrupt = True
 
     def has_pending_requests(self) -> bool:
         """Whether a step has anything to do (any thread)."""
@@ -487,10 +495,15 @@ class Engine:
         tree = root_only()
         drafts = any(r is not None and r.draft is not None for r in live)  # drafter state to keep up to date
         adaptive = any(r is not None and r.speculation != "off" for r in live)
+        # rows whose stop strings are matched on their text: emitted token by token (a stop ends the run)
+        by_token = [r is not None and bool(r.params.stop_strings) for r in live]
+        said = [[] for _ in range(n)]  # their events, merged into one at the end
+        watchers = list(self.dec.watchers())  # those at its start (a run is one step where there are any)
         toks = [[] for _ in range(n)]
         steps, t_verify = 0, 0.0
         end = t_start + self.config.plain_run_s
-        deadline = min((r.deadline for r in live if r is not None and r.deadline is not None), default=None)
+        deadline = min((r.deadline for r in (*live, *self._waiting) if r is not None and r.deadline is not None),
+                       default=None)
         while True:
             t0 = time.perf_counter()
             out = call.step(roots, lens)
@@ -506,7 +519,13 @@ class Engine:
                 # argmax; sampled: the same random stream)
                 t = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
                 toks[b].append(t)
-                ends = ends or t in req.eos
+                if by_token[b]:
+                    ev = self._emit(req, [t])
+                    if ev is not None:
+                        said[b].append(ev)
+                    ends = ends or req.done is not None
+                else:
+                    ends = ends or t in req.eos
             self.kv.keep_new(counts)  # each decoding row keeps the one column the graph wrote
             if drafts:
                 cands = [np.array([x], dtype=np.int64) for x in roots]
@@ -515,23 +534,27 @@ class Engine:
             for b, req in enumerate(live):
                 if req is not None:
                     roots[b] = toks[b][-1]
-            # a row that ends, a request that arrives or is cancelled, a deadline, the time: the run ends
-            if (ends or steps >= most or t1 >= end or self._incoming or self._cancels
-                    or (deadline is not None and t1 >= deadline)):
+            # a row that ends, a request that arrives or is cancelled (here or in a caller's queue:
+            # interrupt), a deadline, a watcher, the time: the run ends
+            if (ends or steps >= most or t1 >= end or self._incoming or self._cancels or self._interrupt
+                    or (deadline is not None and t1 >= deadline) or (not watchers and self.dec.watchers())):
+                self._interrupt = False
                 break
             if adaptive:
                 self.planner.planned_plain()  # the next step is one the policy already decided
         self.planner.costs.add_verify(n, t_verify / steps)
         self._count_step(False, t_verify, 0.0, 0, steps)
         events = []
-        watchers = self.dec.watchers()  # (a run is one step where there are any)
         for b, req in enumerate(live):
             if req is None:
                 continue
             req.stats.plain_steps += steps
             if watchers:
                 self._watched(req, tree, np.array(first[b : b + 1], dtype=np.int64), [0], toks[b][0], watchers)
-            ev = self._moved(req, [1] * steps, toks[b], t_verify)
+            ev = self._moved(req, [1] * steps, toks[b], t_verify, emit=not by_token[b])
+            if by_token[b] and said[b]:
+                ev = RequestEvent(req.id, [x for e in said[b] for x in e.token_ids], "".join(e.text for e in said[b]),
+                                  said[b][-1].finish_reason, said[b][-1].stats)
             if ev is not None:
                 events.append(ev)
         self.planner.costs.add_host(False, (time.perf_counter() - t_start - t_verify) / steps, n)
@@ -576,9 +599,10 @@ class Engine:
         for w in watchers:
             w.append(rec)
 
-    def _moved(self, req: Request, accepted: list[int], toks: list[int], t_verify: float):
+    def _moved(self, req: Request, accepted: list[int], toks: list[int], t_verify: float, emit: bool = True):
         """Row ``req``'s steps (one, or a run of plain ones) accepted ``accepted[i]`` tokens each, ``toks``
-        in all, the last the row's new root: its statistics and position move on, the tokens are emitted."""
+        in all, the last the row's new root: its statistics and position move on, the tokens are emitted
+        (``emit`` False: they were, one by one)."""
         st = req.stats
         st.steps += len(accepted)
         st.time_verify += t_verify
@@ -586,7 +610,7 @@ class Engine:
         self.totals.accepted += accepted
         req.position += sum(accepted)
         req.root = toks[-1]
-        return self._emit(req, toks)
+        return self._emit(req, toks) if emit else None
 
     # ------------------------------------------------------------------ emit and retire
 

@@ -345,11 +345,25 @@ def test_the_context_benchmark_steps_as_the_engine_does(exports, name):
     assert all(t.shape == (2,) for t in seen)
 
 
-def _drive(engine, requests: list[dict], on_step=None) -> tuple[dict, list]:
-    """Every request added at once; each request's (tokens, text, finish reason), and the events'
-    token counts of each ``engine.step()`` call."""
+class _Counts:
+    """A request's statistics that do not depend on timing."""
+
+    def __init__(self, s):
+        self.value = (s.steps, s.plain_steps, list(s.accepted), s.new_tokens, s.draft_tokens, s.accepted_drafts)
+        self.steps = s.steps
+
+    def __eq__(self, other):
+        return self.value == other.value
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+def _drive(engine, requests: list[dict], stats: bool = False) -> tuple[list, list]:
+    """Every request added at once; each request's (tokens, text, finish reason[, counts of its final
+    statistics]), and the events' token counts of each ``engine.step()`` call."""
     ids = [engine.add_request(**r) for r in requests]
-    got = {rid: [[], "", None] for rid in ids}
+    got = {rid: [[], "", None, None] for rid in ids}
     calls = []
     while engine.has_pending_requests():
         events = engine.step()
@@ -359,7 +373,9 @@ def _drive(engine, requests: list[dict], on_step=None) -> tuple[dict, list]:
             g[0] += ev.token_ids
             g[1] += ev.text
             g[2] = ev.finish_reason or g[2]
-    return [tuple(got[i]) for i in ids], calls
+            if ev.stats is not None:
+                g[3] = _Counts(ev.stats)
+    return [tuple(got[i] if stats else got[i][:3]) for i in ids], calls
 
 
 def test_plain_runs_decode_what_single_steps_decode(exports):
@@ -393,11 +409,18 @@ def test_plain_runs_decode_what_single_steps_decode(exports):
     _drive(single_engine, requests)
     assert engine.totals.steps == single_engine.totals.steps
     assert engine.totals.plain_steps == engine.totals.steps
-    # a stop string: the same text and tokens (a run may compute past it; its tokens are dropped)
+    # a stop string ends the run where it completes: the same text, tokens, statistics and base calls,
+    # alone and beside a row that goes on (whose tokens come in one event per run)
     text = want[1][1]
     stop = dict(requests[1], stop=text[len(text) // 2 : len(text) // 2 + 2])
-    assert _drive(dec.engine(EngineConfig(max_batch=3, plain_run_s=60)), [stop])[0] == \
-        _drive(dec.engine(EngineConfig(**single)), [stop])[0]
+    for batch in ([stop], [stop, requests[0] | {"eos_token_id": None, "max_new_tokens": 40}]):
+        seen = []
+        for config in (EngineConfig(**single), EngineConfig(max_batch=3, plain_run_s=60)):
+            engine = dec.engine(config)
+            got, _ = _drive(engine, batch, stats=True)
+            seen.append((got, engine.totals.steps, engine.totals.plain_steps, list(engine.totals.accepted)))
+        assert seen[0] == seen[1]
+        assert seen[0][0][0][2] == "stop" and seen[0][0][0][3].steps < 20
 
 
 def test_a_plain_run_ends_when_a_request_arrives_is_cancelled_or_expires(exports, monkeypatch):
@@ -527,3 +550,76 @@ def test_a_plain_run_reserves_k_v_for_its_steps_only(exports):
     assert engine.max_len > 3 + 2 * PLAIN_RUN_MAX
     assert engine.kv.lens[0] == 3 + PLAIN_RUN_MAX
     assert engine.kv.capacity < engine.max_len
+
+
+def test_a_plain_run_ends_at_an_interrupt_a_waiting_deadline_or_a_new_watcher(exports, monkeypatch):
+    """Engine.interrupt() (a caller's own queue: the server's worker calls it for each command it
+    queues) ends a run after its current step; so does a deadline of a request waiting for a row, and
+    a verify watcher that starts during the run, which then records only the steps after it."""
+    import asyncio
+
+    import graphs
+    from graphs.engine import EngineConfig
+    from graphs.serve.worker import Worker
+
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    dec.eos = set()
+    calls, hooks = [], {}
+    real_step = BoundCall.step
+
+    def step(self, roots, lens):
+        calls.append(len(roots))
+        hook = hooks.pop(len(calls), None)
+        if hook is not None:
+            hook()
+        return real_step(self, roots, lens)
+
+    monkeypatch.setattr(BoundCall, "step", step)
+    engine = dec.engine(EngineConfig(max_batch=1, plain_run_s=60))
+    engine.add_request([5, 9, 3], max_new_tokens=200, speculation="off")
+    engine.step()
+    calls.clear()
+    hooks[4] = engine.interrupt
+    engine.step()
+    assert len(calls) == 4
+    # a request waiting for the only row: its deadline ends the run
+    late = engine.add_request([7, 1, 4], max_new_tokens=5, speculation="off", deadline_s=0.2)
+    engine.step()
+    calls.clear()
+    hooks[3] = lambda: time.sleep(0.25)
+    events = engine.step()
+    assert len(calls) == 3 and {e.request_id: e.finish_reason for e in events}.get(late) in (None, "deadline")
+    if late not in {e.request_id for e in events}:
+        assert {e.request_id: e.finish_reason for e in engine.step()}[late] == "deadline"
+    # a watcher that starts during a run: the run ends, the watcher records each later step alone
+    calls.clear()
+    watch = dec.watch_verify()
+    hooks[2] = lambda: seen.append(watch.__enter__())
+    seen = []
+    engine.step()
+    assert len(calls) == 2 and seen and seen[0] == []
+    for _ in range(3):
+        engine.step()
+    steps = [r.step for r in seen[0]]
+    assert len(steps) == 3 and steps == sorted(set(steps))  # one record a step, none for the run before
+    watch.__exit__(None, None, None)
+
+    # the server's worker: a request arriving during a run is admitted after the step it came in
+    async def arrive():
+        worker = Worker(dec, EngineConfig(max_batch=4, plain_run_s=60))
+        worker.start()
+        try:
+            a = await worker.submit([5, 9, 3], {"speculation": "off"}, max_new=400)
+            await a.queue.get()
+            hooks[len(calls) + 2] = lambda: time.sleep(0.05)  # a slow step inside the run
+            await asyncio.sleep(0.02)
+            n0 = len(calls)
+            b = await worker.submit([7, 1, 4], {"speculation": "off"}, max_new=3)
+            await b.queue.get()
+            assert len(calls) - n0 <= 4, len(calls) - n0  # not the rest of a 64-step run
+            worker.cancel(a.id)
+        finally:
+            worker.stop()
+
+    monkeypatch.setattr(BoundCall, "step", lambda self, roots, lens: time.sleep(0.005) or step(self, roots, lens))
+    asyncio.run(arrive())

@@ -116,6 +116,7 @@ class Worker:
         if not self.alive:
             raise RuntimeError("the engine thread is not running")
         self._commands.append(command)
+        self.engine.interrupt()  # a run of plain steps in progress ends after its current step
         self._wake.set()
 
     # ------------------------------------------------------------------ the engine's thread
