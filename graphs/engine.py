@@ -282,7 +282,7 @@ class Engine:
                 events, self._removed = self._removed, []
                 self._expire(events)
                 if any(r.state == DECODING for r in self._rows):
-                    events += self._decode()
+                    events += self._decode(one=bool(events))  # events to say: no run before them
                 self._retire()
                 self._take_commands()  # requests that came during the decode are admitted now
                 self._admit()
@@ -392,7 +392,8 @@ class Engine:
                     events.append(ev)
         return events
 
-    def _decode(self) -> list:
+    def _decode(self, one: bool = False) -> list:
+        """One decode step of every decoding row (``one`` False: a run of plain steps where one may run)."""
         t_start = time.perf_counter()
         rows = self._rows
         n = len(rows)
@@ -407,7 +408,7 @@ class Engine:
         else:  # nobody may speculate: nothing to decide
             sizes, drafted = None, False
         if not drafted:
-            events = self._plain_step(live, t_start)
+            events = self._plain_step(live, t_start, 1 if one else self._plain_run(live))
             if events is not None:
                 return events
             if sizes is None:
@@ -472,19 +473,19 @@ class Engine:
         self.planner.costs.add_host(drafted, host, n)
         return events
 
-    def _plain_step(self, live: list, t_start: float) -> list | None:
+    def _plain_step(self, live: list, t_start: float, most: int = 1) -> list | None:
         """Plain steps, in which no row drafts: every row verifies its root (the autoregressive step), on
         the call the decoder binds once (:meth:`graphs.runtime.Decoder.plain_steps`). It is the general
         path with a one-node tree per row, whose tree arrays, acceptance walk and K/V moves are the
         identity: the root's token is the row's sampled token, each row keeps its one new column.
 
-        Several such steps run in a row (:meth:`_plain_run`: for up to ``EngineConfig.plain_run_s``)
+        Up to ``most`` such steps run in a row (:meth:`_plain_run`: for up to ``EngineConfig.plain_run_s``)
         while nothing could happen between them: each computes what it computes alone (the same
         call, inputs and sampler draws), and the Python around a step (admission, statistics,
         events: ~0.1 ms, a tenth of a small int4 model's step) is paid once for the run; its tokens
         come in one event per row, as a speculative step's do. Returns None (nothing done) where the
         graphs take no bound step: the general path runs then."""
-        call, most = self.dec.plain_steps(self.kv, self._plain_run(live))
+        call, most = self.dec.plain_steps(self.kv, most)
         if call is None:
             return None
         n = len(live)
