@@ -21,6 +21,11 @@ One step (the one loop, for every drafting strategy of :mod:`graphs.proposers`):
     prefill   waiting requests take free rows; prompt chunks of ``prefill_chunk`` tokens run within
               the step's token budget, so a long prompt never stalls the others for its whole length
 
+Plain steps in a row: where no row drafts and nothing can happen between steps, one ``step()`` runs
+plain steps back to back (``EngineConfig.plain_run_s``; :meth:`Engine._plain_step`), each the call
+it would be alone; the run ends at an end token, a stop string, an arrival, a cancel, a deadline,
+:meth:`Engine.interrupt`, and its tokens come in one event per request.
+
 Per-request state lives in the :class:`Request`: tokens, K/V row, drafter state, sampler (its own
 seed), parameters, speculation switch, gains and statistics. What the engine shares between requests
 is what the machine measured (the costs of its calls and the mean gains per setting).
@@ -28,7 +33,8 @@ is what the machine measured (the costs of its calls and the mean gains per sett
 Threads: one thread drives :meth:`Engine.step`. :meth:`add_request`, :meth:`remove_request`,
 :meth:`has_pending_requests` and :meth:`request` may be called from any thread and never wait for a
 running step (a short lock guards the incoming queue): an added request joins at the next step; a
-removed one has its row freed at once, or, while a step runs, by that step before it returns.
+removed one has its row freed at once, or, while a step runs, by that step before it returns. A
+caller that keeps its own queue for the engine's thread calls :meth:`interrupt` as it queues.
 Sessions are shared by every engine of a decoder (ONNX Runtime sessions may be run from several
 threads).
 
