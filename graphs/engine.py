@@ -578,7 +578,7 @@ class Engine:
             return 1
         if self._waiting and len(self._rows) < self.config.max_batch:
             return 1
-        room = max(1, min(PLAIN_RUN_MAX, *(min(r.max_new, self.max_len - len(r.prompt)) - len(r.tokens) for r in live)))
+        room = max(1, min(PLAIN_RUN_MAX, *(self._limit(r) - len(r.tokens) for r in live)))
         if any(r.speculation != "off" for r in live):  # the policy chooses the widths: the steps it already has
             return min(room, 1 + self.planner.plain_ahead())
         return room
@@ -621,12 +621,16 @@ class Engine:
 
     # ------------------------------------------------------------------ emit and retire
 
+    def _limit(self, req: Request) -> int:
+        """The new tokens ``req`` may have: its max_new_tokens, within the engine's positions."""
+        return min(req.max_new, self.max_len - len(req.prompt))
+
     def _emit(self, req: Request, toks: list[int]):
         """Append accepted tokens: eos, stop strings, length; the event (None if nothing to say)."""
         if req.done:
             return None
         dec = self.dec
-        room = min(req.max_new, self.max_len - len(req.prompt)) - len(req.tokens)
+        room = self._limit(req) - len(req.tokens)
         toks = toks[: max(room, 0)]
         for i, t in enumerate(toks):
             if t in req.eos:
@@ -645,7 +649,7 @@ class Engine:
                     toks, req.done, req.text = toks[: k + 1], "stop", req.text[:cut]
                     break
         req.tokens.extend(toks)
-        if not req.done and len(req.tokens) >= min(req.max_new, self.max_len - len(req.prompt)):
+        if not req.done and len(req.tokens) >= self._limit(req):
             req.done = "length"
         if req.done and req.done != "stop" and req.detok is not None:
             req.text = dec.decode(req.tokens)  # once at the end: a trailing partial character shows as U+FFFD

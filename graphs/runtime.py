@@ -249,14 +249,13 @@ class Decoder:
         :meth:`plain_step` makes (K/V room reserved for the k; k stops where the one-sequence
         graph's positions end, so that each step runs on the graph a step alone would take).
         ``(None, 0)`` where :meth:`plain_step` returns None."""
-        if self._in_place is None or self.min_rows != 1:
+        if self.min_rows != 1:
             return None, 0
         top = kv.top()
         k = max(1, min(int(most), kv.limit - top))
         if self._one_sequence is not None and top + 1 <= self._one_sequence_columns:
             k = min(k, self._one_sequence_columns - top)
-        kv.reserve_columns(top + k)
-        call = self._graph(top + k, 1, False).bound_on(kv, 1)
+        call = self.bound_call(kv, 1, columns=top + k)
         return (None, 0) if call is None else (call, k)
 
     def verify_trees(self, kv, trees: list, tokens: list) -> dict | None:
@@ -283,13 +282,14 @@ class Decoder:
             ids[b, :k], depth[b, :k], tmask[b, :k, :k] = cand, tree.depth, tree.mask
         return self.base_forward(kv, ids, kv.lens[:n, None] + depth, tmask)
 
-    def bound_call(self, kv, s: int):
+    def bound_call(self, kv, s: int, columns: int | None = None):
         """The :class:`graphs.sessions.BoundCall` of ``s`` new tokens per occupied row of ``kv`` on the
         graph :meth:`_graph_for` picks for such calls (their tree masks put every node after its
-        ancestors), growing ``kv`` first to hold them; None without in-place K/V."""
+        ancestors), growing ``kv`` first to hold them (``columns``: to hold that many, for calls to
+        come); None without in-place K/V."""
         if self._in_place is None:
             return None
-        columns = kv.top() + s
+        columns = kv.top() + s if columns is None else columns
         kv.reserve_columns(columns)
         return self._graph(columns, s, kv.n == 1 and kv.lens[0] > 0).bound_on(kv, s)
 

@@ -290,21 +290,19 @@ def test_the_k_v_memory_goes_back_when_the_last_request_leaves(exports):
     assert all(ref() is None for ref in stores), "a binding kept an old K/V buffer alive"
 
 
-def test_the_host_time_benchmark_runs_as_it_says(exports, capsys):
-    """samples/bench_host.py (the docs' host-time figures): a median per run, every step counted."""
-    import sys
-    from pathlib import Path
+def test_the_host_time_benchmark_runs_as_it_says(exports):
+    """samples/bench_host.py (the docs' host-time figures): a median per run, every step counted. It
+    runs in its own process: it sets the process-wide ORT pool, which other tests' sessions refuse."""
+    from conftest import run_module
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `samples` is not an installed package
-    from samples import bench_host
+    def bench_host(*args) -> list[str]:
+        r = run_module("samples.bench_host", exports["one-sequence"], "--tokens", "60", "--threads", "1", *args)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
 
-    bench_host.main([str(exports["one-sequence"]), "--speculation", "adaptive", "--tokens", "60", "--runs", "1",
-                     "--threads", "1"])
-    lines = capsys.readouterr().out.splitlines()
+    lines = bench_host("--speculation", "adaptive", "--runs", "1")
     assert len(lines) == 1 and lines[0].startswith("run 1: host ") and "us a token" in lines[0], lines
-    bench_host.main([str(exports["one-sequence"]), "--tokens", "60", "--runs", "2", "--threads", "1",
-                     "--plain-run-s", "0,60"])
-    lines = capsys.readouterr().out.splitlines()
+    lines = bench_host("--runs", "2", "--plain-run-s", "0,60")
     assert [ln.split(":")[0] for ln in lines] == [f"run {r} plain_run_s={s}" for r in (1, 2) for s in (0, 60)]
     per_step = [float(ln.split(", ")[-1].split()[0]) for ln in lines]
     assert per_step[0] == per_step[2] == 1.0 and per_step[1] > 5  # one token a step, or a run of them
@@ -423,6 +421,23 @@ def test_plain_runs_decode_what_single_steps_decode(exports):
         assert seen[0][0][0][2] == "stop" and seen[0][0][0][3].steps < 20
 
 
+def _hooked_steps(monkeypatch):
+    """BoundCall.step patched to count its calls (the rows of each) and to run ``hooks[k]`` before the
+    k-th call since ``calls`` was last cleared: (calls, hooks, the patched step)."""
+    calls, hooks = [], {}
+    real_step = BoundCall.step
+
+    def step(self, roots, lens):
+        calls.append(len(roots))
+        hook = hooks.pop(len(calls), None)
+        if hook is not None:
+            hook()
+        return real_step(self, roots, lens)
+
+    monkeypatch.setattr(BoundCall, "step", step)
+    return calls, hooks, step
+
+
 def test_a_plain_run_ends_when_a_request_arrives_is_cancelled_or_expires(exports, monkeypatch):
     """A run of plain steps stops after the step during which a request arrived (it is admitted at
     once), a request was cancelled (from another thread), or a deadline passed; rows that may
@@ -434,18 +449,7 @@ def test_a_plain_run_ends_when_a_request_arrives_is_cancelled_or_expires(exports
 
     dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
     dec.eos = set()
-    calls = []
-    hooks = {}
-    real_step = BoundCall.step
-
-    def step(self, roots, lens):
-        calls.append(len(roots))
-        hook = hooks.pop(len(calls), None)
-        if hook is not None:
-            hook()
-        return real_step(self, roots, lens)
-
-    monkeypatch.setattr(BoundCall, "step", step)
+    calls, hooks, step = _hooked_steps(monkeypatch)
     engine = dec.engine(EngineConfig(max_batch=3, plain_run_s=60))
     a = engine.add_request([5, 9, 3], max_new_tokens=40, speculation="off")
     engine.step()  # the prefill
@@ -564,17 +568,7 @@ def test_a_plain_run_ends_at_an_interrupt_a_waiting_deadline_or_a_new_watcher(ex
 
     dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
     dec.eos = set()
-    calls, hooks = [], {}
-    real_step = BoundCall.step
-
-    def step(self, roots, lens):
-        calls.append(len(roots))
-        hook = hooks.pop(len(calls), None)
-        if hook is not None:
-            hook()
-        return real_step(self, roots, lens)
-
-    monkeypatch.setattr(BoundCall, "step", step)
+    calls, hooks, step = _hooked_steps(monkeypatch)
     engine = dec.engine(EngineConfig(max_batch=1, plain_run_s=60))
     engine.add_request([5, 9, 3], max_new_tokens=200, speculation="off")
     engine.step()
