@@ -506,41 +506,33 @@ class Engine:
         by_token = [r is not None and bool(r.params.stop_strings) for r in live]
         said = [[] for _ in range(n)]  # their events, merged into one at the end
         watchers = list(self.dec.watchers())  # those at its start (a run is one step where there are any)
-        toks = [[] for _ in range(n)]
+        # greedy rows without stop strings or drafter state (the common case): each step's argmax goes
+        # straight into the next call's inputs (BoundCall.greedy), the tokens are read once a step
+        greedy = not drafts and not any(by_token) and all(r is None or r.sampler.temperature == 0 for r in live)
+        eos = set().union(*(r.eos for r in live if r is not None))  # any row's: a step's one set lookup
+        got = []  # the tokens of each step, (n,) each
         steps, t_verify = 0, 0.0
         end = t_start + self.config.plain_run_s
         deadline = min((r.deadline for r in (*live, *self._waiting) if r is not None and r.deadline is not None),
                        default=None)
         while True:
             t0 = time.perf_counter()
-            out = call.step(roots, lens)
+            # the first step's inputs are made from the rows' lengths, each next one's moved on in place
+            out = call.step(roots, lens) if not steps else call.again()
             t1 = time.perf_counter()
             t_verify += t1 - t0
+            if greedy:
+                row = call.greedy().tolist()
+                ends = not eos.isdisjoint(row) and any(t in r.eos for t, r in zip(row, live) if r is not None)
+            else:
+                row, ends = self._plain_tokens(live, out[C.LOGITS], roots, tree, by_token, said)
+                call.ids[:, 0] = row
+            got.append(row)
             steps += 1
-            logits = out[C.LOGITS]  # (n, 1, V): the distribution after each row's root
-            ends = False
-            for b, req in enumerate(live):
-                if req is None:
-                    continue
-                # the sampler's own one-node acceptance, as the general path makes it (greedy: the
-                # argmax; sampled: the same random stream)
-                t = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
-                toks[b].append(t)
-                if by_token[b]:
-                    ev = self._emit(req, [t])
-                    if ev is not None:
-                        said[b].append(ev)
-                    ends = ends or req.done is not None
-                else:
-                    ends = ends or t in req.eos
-            self.kv.keep_new(counts)  # each decoding row keeps the one column the graph wrote
             if drafts:
                 cands = [np.array([x], dtype=np.int64) for x in roots]
-                bonus = [0 if r is None else toks[b][-1] for b, r in enumerate(live)]
-                self.proposer.advance(live, out, [None if r is None else [0] for r in live], bonus, cands, counts)
-            for b, req in enumerate(live):
-                if req is not None:
-                    roots[b] = toks[b][-1]
+                self.proposer.advance(live, out, [None if r is None else [0] for r in live], row, cands, counts)
+            roots = row
             # a row that ends, a request that arrives or is cancelled (here or in a caller's queue:
             # interrupt), a deadline, a watcher, the time: the run ends
             if (ends or steps >= most or t1 >= end or self._incoming or self._cancels or self._interrupt
@@ -549,6 +541,8 @@ class Engine:
                 break
             if adaptive:
                 self.planner.planned_plain()  # the next step is one the policy already decided
+        self.kv.keep_new(counts * steps)  # each decoding row keeps the column each step wrote
+        toks = [[r[b] for r in got] for b in range(n)]
         self.planner.costs.add_verify(n, t_verify / steps)
         self._count_step(False, t_verify, 0.0, 0, steps)
         events = []
@@ -566,6 +560,24 @@ class Engine:
                 events.append(ev)
         self.planner.costs.add_host(False, (time.perf_counter() - t_start - t_verify) / steps, n)
         return events
+
+    def _plain_tokens(self, live: list, logits: np.ndarray, roots: list, tree, by_token: list, said: list):
+        """One plain step's tokens, each row's sampler choosing from ``logits`` (n, 1, V) as the general
+        path's one-node acceptance does (greedy: the argmax; sampled: the same random stream); rows
+        with stop strings grow their text (``said[b]``: their events). Returns (tokens, a row ended)."""
+        row, ends = [0] * len(live), False
+        for b, req in enumerate(live):
+            if req is None:
+                continue
+            t = row[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
+            if by_token[b]:
+                ev = self._emit(req, [t])
+                if ev is not None:
+                    said[b].append(ev)
+                ends = ends or req.done is not None
+            else:
+                ends = ends or t in req.eos
+        return row, ends
 
     def _plain_run(self, live: list) -> int:
         """Plain steps one call of :meth:`_plain_step` may run: 1 where anything may happen between

@@ -21,6 +21,7 @@ import re
 
 from graphs import contract as C
 from graphs.errors import GraphMemoryError, InputError, InputTypeError
+from graphs.sampling import check_finite
 
 _LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -341,11 +342,16 @@ class BoundCall:
         self.session = session
         self.ids = np.zeros((n, s), dtype=np.int64)
         self.pos = np.zeros((n, s), dtype=np.int64)
-        self.write = np.zeros(n, dtype=np.int64)
+        # a plain step's position is its write column: one array bound twice, moved on by one add (again)
+        self.write = self.pos.reshape(n) if s == 1 else np.zeros(n, dtype=np.int64)
+        self.rows = np.arange(n)
+        self._flat_ids = self.ids.reshape(-1)
         self.mask = np.zeros((n, 1, s, capacity), dtype=bool)
+        self._flat_mask = self.mask.reshape(-1) if n == s == 1 else None  # one row's columns
         self.columns = np.arange(capacity)  # (capacity,)
         self.eye = np.eye(s, dtype=bool)  # (S, S): a padding row sees only itself
         self.outputs = {name: np.zeros((n, s, *dims), dtype=dtype) for name, dtype, dims in outputs}
+        self._logit_rows = self.outputs[C.LOGITS].reshape(n * s, -1) if C.LOGITS in self.outputs else None
         self.io = session.io_binding()
         self.values = []  # the OrtValues over the arrays above: alive as long as the binding
         for name, arr in ((C.INPUT_IDS, self.ids), (C.POSITION_IDS, self.pos), (C.KV_WRITE, self.write),
@@ -370,6 +376,31 @@ class BoundCall:
         np.less_equal(self.columns, lens[:, None], out=self.mask[:, 0, 0])  # the past and the token itself
         self.session.run_with_iobinding(self.io)
         return self.outputs
+
+    def again(self) -> dict:
+        """The plain step after this call's last one (S == 1), every row one position on, its token
+        already in ``ids`` (:meth:`greedy` writes it there): the inputs move on in place (positions +1,
+        the new column joins each row's mask) instead of being made anew. Between two calls every
+        Python path is cold (each call streams the weights through the caches): an array operation
+        costs ~10 us there, so one row, the common case, takes scalar writes."""
+        if self._flat_mask is not None:
+            w = self.write[0] + 1
+            self.write[0] = w  # the position too: the same memory
+            self._flat_mask[w] = True
+        else:
+            self.write += 1
+            self.mask[self.rows, 0, 0, self.write] = True
+        self.session.run_with_iobinding(self.io)
+        return self.outputs
+
+    def greedy(self) -> np.ndarray:
+        """Each row's argmax of the last call's logits (S == 1; the first of equal logits, as
+        :func:`graphs.sampling.greedy_accept`), written into ``ids`` for :meth:`again`: a view (n,).
+        Raises NonFiniteLogitsError where a chosen logit is nan or +inf."""
+        rows, ids = self._logit_rows, self._flat_ids
+        rows.argmax(axis=1, out=ids)
+        check_finite(float(rows[0, ids[0]]) if ids.shape[0] == 1 else rows[self.rows, ids])
+        return ids
 
     def trees(self, trees: list, tokens: list, lens: np.ndarray, pad: int) -> dict:
         """Row b verifies ``trees[b]`` (a :class:`graphs.trees.Tree` of k <= S nodes) with ``tokens[b]``

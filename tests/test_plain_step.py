@@ -132,6 +132,82 @@ def test_a_bound_tree_verify_computes_what_base_forward_computes(exports, name):
             np.testing.assert_array_equal(a[:n], b_[:n], err_msg=f"K/V {lens}")
 
 
+@pytest.mark.parametrize("name,rows", [("one-sequence", 1), ("one-sequence", 3), ("bsh", 3)])
+def test_a_bound_calls_next_step_computes_what_a_fresh_step_computes(exports, name, rows):
+    """BoundCall.again (a plain run's next step: positions +1 in place, the new column joins each
+    row's mask, the tokens BoundCall.greedy wrote into the inputs) against a fresh bound step of each
+    token on a copy of the cache: the same logits and hidden states at every step, rows of different
+    lengths (or one row alone: its scalar path) with garbage in every column, the same buffers after the run."""
+    import graphs
+
+    dec = graphs.load(exports[name], provider="cpu", threads=1)
+    rng = np.random.default_rng(3)
+    fast, slow = _cache(dec, rows, 120), _cache(dec, rows, 120)
+    _fill([fast, slow], [25, 5, 1][:rows], rng)
+    call, k = dec.plain_steps(fast, 12)
+    assert k == 12
+    roots = rng.integers(0, dec.manifest.source["vocab_size"], rows)
+    ones = np.ones(rows, dtype=np.int64)
+    for step in range(k):
+        got = call.step(roots, fast.lens[:rows]) if step == 0 else call.again()
+        want = dec.plain_step(slow, roots)
+        for out in (C.LOGITS, C.HIDDEN):
+            np.testing.assert_array_equal(got[out], want[out], err_msg=f"{out} at step {step}")
+        roots = call.greedy().copy()  # also the next call's input
+        np.testing.assert_array_equal(roots, np.argmax(want[C.LOGITS][:, 0], axis=-1))
+        slow.keep_new(ones)
+    fast.keep_new(ones * k)
+    np.testing.assert_array_equal(fast.lens, slow.lens)
+    for a, b in zip(fast.keys + fast.values, slow.keys + slow.values):
+        for r, n in enumerate(fast.lens[:rows]):  # (slots, kv_heads, capacity, head_dim) views in each layout
+            np.testing.assert_array_equal(a[r, :, :n], b[r, :, :n])
+
+
+def test_the_greedy_choice_of_a_bound_call_is_the_first_largest_and_refuses_nan(exports):
+    """BoundCall.greedy: the first of equal largest logits (np.argmax's and greedy_accept's choice),
+    for one row and several; a nan or +inf chosen is the one-line error, -inf elsewhere is a mask."""
+    import graphs
+    from graphs.errors import NonFiniteLogitsError
+
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    for rows in (1, 3):
+        kv = _cache(dec, rows, 64)
+        _fill([kv], [4] * rows, np.random.default_rng(0))
+        call, _ = dec.plain_steps(kv, 4)
+        logits = call.outputs[C.LOGITS]  # (rows, 1, V): the binding's, written here by hand
+        logits[...] = -np.inf
+        logits[:, 0, 7] = logits[:, 0, 3] = 2.0
+        assert call.greedy().tolist() == [3] * rows and call.ids[:, 0].tolist() == [3] * rows
+        for bad in (np.nan, np.inf):
+            logits[rows - 1, 0, 5] = bad
+            with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
+                call.greedy()
+            logits[rows - 1, 0, 5] = -np.inf
+
+
+def test_greedy_plain_runs_of_several_rows_decode_what_single_steps_decode(exports):
+    """A batch of greedy rows only (the run's greedy choice: BoundCall.greedy and again): rows of
+    different lengths, one ending at an end token mid-run, a request waiting for a row; the same tokens,
+    finish reasons, statistics and base calls as one plain step per engine step."""
+    import graphs
+    from graphs.engine import EngineConfig
+
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    dec.eos = set()
+    requests = [dict(prompt=[5, 9, 3], max_new_tokens=40), dict(prompt=[7, 1, 4, 4, 2, 8, 6, 6, 1], max_new_tokens=33),
+                dict(prompt=[11, 2], max_new_tokens=25), dict(prompt=[4, 4, 8], max_new_tokens=20)]
+    single = dict(max_batch=3, plain_run_s=0)
+    first, _ = _drive(dec.engine(EngineConfig(**single)), requests[1:2])
+    requests[1]["eos_token_id"] = first[0][0][17]
+    seen = []
+    for config in (EngineConfig(**single), EngineConfig(max_batch=3, plain_run_s=60)):
+        engine = dec.engine(config)
+        got, calls = _drive(engine, requests, stats=True)
+        seen.append((got, engine.totals.steps, list(engine.totals.accepted)))
+    assert seen[0] == seen[1]
+    assert seen[0][0][1][2] == "eos" and len(calls) < seen[0][1] / 2  # runs of several steps
+
+
 def test_graphs_without_a_bound_step_say_so(exports):
     """The raw export (K/V concatenated) and one-token calls padded to two rows (min_rows 2) take the
     general path: plain_step returns None and changes nothing."""
@@ -201,10 +277,7 @@ def test_the_engine_decodes_on_bound_calls_exactly_as_without_them(exports, monk
             return inner(kv, feed, rows)
 
         run.bound_on, run.run_on = counted_bound, counted_run
-    steps = []  # each bound plain step's rows (a bound call runs several in a row: Engine._plain_run)
-    real_step = BoundCall.step
-    monkeypatch.setattr(BoundCall, "step", lambda self, roots, lens: steps.append(len(roots)) or
-                        real_step(self, roots, lens))
+    steps, _, _ = _hooked_steps(monkeypatch)  # each bound plain step's rows (a run's first and each next)
     got, plain = _decode(fast, requests)
 
     general = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
@@ -422,20 +495,31 @@ def test_plain_runs_decode_what_single_steps_decode(exports):
 
 
 def _hooked_steps(monkeypatch):
-    """BoundCall.step patched to count its calls (the rows of each) and to run ``hooks[k]`` before the
-    k-th call since ``calls`` was last cleared: (calls, hooks, the patched step)."""
-    calls, hooks = [], {}
-    real_step = BoundCall.step
+    """BoundCall's plain steps (a run's first, ``step``, and each next, ``again``) patched to count
+    their calls (the rows of each), to run ``hooks[k]`` before the k-th call since ``calls`` was last
+    cleared, and to sleep ``delay[0]`` seconds first: (calls, hooks, delay)."""
+    calls, hooks, delay = [], {}, [0.0]
+    real_step, real_again = BoundCall.step, BoundCall.again
 
-    def step(self, roots, lens):
-        calls.append(len(roots))
+    def before(n):
+        if delay[0]:
+            time.sleep(delay[0])
+        calls.append(n)
         hook = hooks.pop(len(calls), None)
         if hook is not None:
             hook()
+
+    def step(self, roots, lens):
+        before(len(roots))
         return real_step(self, roots, lens)
 
+    def again(self):
+        before(len(self.rows))
+        return real_again(self)
+
     monkeypatch.setattr(BoundCall, "step", step)
-    return calls, hooks, step
+    monkeypatch.setattr(BoundCall, "again", again)
+    return calls, hooks, delay
 
 
 def test_a_plain_run_ends_when_a_request_arrives_is_cancelled_or_expires(exports, monkeypatch):
@@ -449,7 +533,7 @@ def test_a_plain_run_ends_when_a_request_arrives_is_cancelled_or_expires(exports
 
     dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
     dec.eos = set()
-    calls, hooks, step = _hooked_steps(monkeypatch)
+    calls, hooks, delay = _hooked_steps(monkeypatch)
     engine = dec.engine(EngineConfig(max_batch=3, plain_run_s=60))
     a = engine.add_request([5, 9, 3], max_new_tokens=40, speculation="off")
     engine.step()  # the prefill
@@ -478,7 +562,7 @@ def test_a_plain_run_ends_when_a_request_arrives_is_cancelled_or_expires(exports
     slow = engine.add_request([5, 9, 3], max_new_tokens=200, speculation="off", deadline_s=0.3)
     engine.step()
     calls.clear()
-    monkeypatch.setattr(BoundCall, "step", lambda self, roots, lens: time.sleep(0.01) or step(self, roots, lens))
+    delay[0] = 0.01
     events = engine.step()
     assert 3 <= len(calls) < 40 and not events[0].finish_reason
     assert {e.request_id: e.finish_reason for e in engine.step()}[slow] == "deadline"
@@ -568,7 +652,7 @@ def test_a_plain_run_ends_at_an_interrupt_a_waiting_deadline_or_a_new_watcher(ex
 
     dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
     dec.eos = set()
-    calls, hooks, step = _hooked_steps(monkeypatch)
+    calls, hooks, delay = _hooked_steps(monkeypatch)
     engine = dec.engine(EngineConfig(max_batch=1, plain_run_s=60))
     engine.add_request([5, 9, 3], max_new_tokens=200, speculation="off")
     engine.step()
@@ -615,5 +699,5 @@ def test_a_plain_run_ends_at_an_interrupt_a_waiting_deadline_or_a_new_watcher(ex
         finally:
             worker.stop()
 
-    monkeypatch.setattr(BoundCall, "step", lambda self, roots, lens: time.sleep(0.005) or step(self, roots, lens))
+    delay[0] = 0.005
     asyncio.run(arrive())
