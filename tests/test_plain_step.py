@@ -185,7 +185,7 @@ def test_the_greedy_choice_of_a_bound_call_is_the_first_largest_and_refuses_nan(
             logits[rows - 1, 0, 5] = -np.inf
 
 
-def test_greedy_plain_runs_of_several_rows_decode_what_single_steps_decode(exports):
+def test_greedy_plain_runs_of_several_rows_decode_what_single_steps_decode(exports, monkeypatch):
     """A batch of greedy rows only (the run's greedy choice: BoundCall.greedy and again): rows of
     different lengths, one ending at an end token mid-run, a request waiting for a row; the same tokens,
     finish reasons, statistics and base calls as one plain step per engine step."""
@@ -196,9 +196,14 @@ def test_greedy_plain_runs_of_several_rows_decode_what_single_steps_decode(expor
     dec.eos = set()
     requests = [dict(prompt=[5, 9, 3], max_new_tokens=40), dict(prompt=[7, 1, 4, 4, 2, 8, 6, 6, 1], max_new_tokens=33),
                 dict(prompt=[11, 2], max_new_tokens=25), dict(prompt=[4, 4, 8], max_new_tokens=20)]
+    for r in requests:
+        r["speculation"] = "off"  # (the adaptive policy's choices follow measured times)
     single = dict(max_batch=3, plain_run_s=0)
     first, _ = _drive(dec.engine(EngineConfig(**single)), requests[1:2])
     requests[1]["eos_token_id"] = first[0][0][17]
+    chosen = []  # the rows of each greedy choice of a run (BoundCall.greedy)
+    real = BoundCall.greedy
+    monkeypatch.setattr(BoundCall, "greedy", lambda self: chosen.append(len(self.rows)) or real(self))
     seen = []
     for config in (EngineConfig(**single), EngineConfig(max_batch=3, plain_run_s=60)):
         engine = dec.engine(config)
@@ -206,6 +211,7 @@ def test_greedy_plain_runs_of_several_rows_decode_what_single_steps_decode(expor
         seen.append((got, engine.totals.steps, list(engine.totals.accepted)))
     assert seen[0] == seen[1]
     assert seen[0][0][1][2] == "eos" and len(calls) < seen[0][1] / 2  # runs of several steps
+    assert chosen.count(3) > 20 and 1 in chosen  # runs of three rows, and of the last row alone
 
 
 def test_graphs_without_a_bound_step_say_so(exports):
