@@ -57,7 +57,7 @@ import numpy as np
 
 from graphs import contract as C
 from graphs.adaptive import IDLE, SPEC_ADAPTIVE, SPEC_OFF, SPEC_ON, AdaptiveConfig, Planner, RowGains, root_only
-from graphs.errors import CapacityError, InputError
+from graphs.errors import CapacityError, InputError, NonFiniteLogitsError
 from graphs.params import GenerationParams, Resolved
 from graphs.proposers import Eagle, Medusa, Plain
 from graphs.results import RequestEvent, Sampler, Stats
@@ -186,6 +186,7 @@ class Engine:
         self._finished = False  # a request finished since the last _retire (its row, if any, to free)
         self._deadlines = False  # a request with a deadline was added (_expire has something to check)
         self._interrupt = False  # interrupt(): end the plain run in progress
+        self._failed = None  # an error inside a run, raised by the next step (after the run's tokens)
 
     # ------------------------------------------------------------------ requests
 
@@ -284,6 +285,9 @@ class Engine:
                 raise RuntimeError("Engine.step is not reentrant: drive it from one thread")
             self._stepping = True
             try:
+                if self._failed is not None:
+                    failed, self._failed = self._failed, None
+                    raise failed
                 self._take_commands()
                 events, self._removed = self._removed, []
                 self._expire(events)
@@ -508,7 +512,8 @@ class Engine:
         watchers = list(self.dec.watchers())  # those at its start (a run is one step where there are any)
         # greedy rows without stop strings or drafter state (the common case): each step's argmax goes
         # straight into the next call's inputs (BoundCall.greedy), the tokens are read once a step
-        greedy = not drafts and not any(by_token) and all(r is None or r.sampler.temperature == 0 for r in live)
+        # (a prefilling row's column is computed and dropped: not chosen from, its logits unchecked)
+        greedy = not drafts and not any(by_token) and all(r is not None and r.sampler.temperature == 0 for r in live)
         eos = set().union(*(r.eos for r in live if r is not None))  # any row's: a step's one set lookup
         got = []  # the tokens of each step, (n,) each
         steps, t_verify = 0, 0.0
@@ -521,12 +526,20 @@ class Engine:
             out = call.step(roots, lens) if not steps else call.again()
             t1 = time.perf_counter()
             t_verify += t1 - t0
-            if greedy:
-                row = call.greedy().tolist()
-                ends = not eos.isdisjoint(row) and any(t in r.eos for t, r in zip(row, live) if r is not None)
-            else:
-                row, ends = self._plain_tokens(live, out[C.LOGITS], roots, tree, by_token, said)
-                call.ids[:, 0] = row
+            try:
+                if greedy:
+                    row = call.greedy().tolist()
+                    ends = not eos.isdisjoint(row) and any(t in r.eos for t, r in zip(row, live))
+                else:
+                    row, ends = self._plain_tokens(live, out[C.LOGITS], roots, tree, by_token, said)
+                    call.ids[:, 0] = row
+            except NonFiniteLogitsError as e:
+                if not steps:
+                    raise
+                # the steps before it stand: the run ends there and says their tokens, the next step
+                # raises (a call that computes the failed step again would fail the same way)
+                self._failed = e
+                break
             got.append(row)
             steps += 1
             if drafts:
@@ -566,17 +579,19 @@ class Engine:
         path's one-node acceptance does (greedy: the argmax; sampled: the same random stream); rows
         with stop strings grow their text (``said[b]``: their events). Returns (tokens, a row ended)."""
         row, ends = [0] * len(live), False
+        for b, req in enumerate(live):  # every row's token first: a row that fails leaves none emitted
+            if req is not None:
+                row[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
         for b, req in enumerate(live):
             if req is None:
                 continue
-            t = row[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
             if by_token[b]:
-                ev = self._emit(req, [t])
+                ev = self._emit(req, [row[b]])
                 if ev is not None:
                     said[b].append(ev)
                 ends = ends or req.done is not None
             else:
-                ends = ends or t in req.eos
+                ends = ends or row[b] in req.eos
         return row, ends
 
     def _plain_run(self, live: list) -> int:

@@ -214,6 +214,89 @@ def test_greedy_plain_runs_of_several_rows_decode_what_single_steps_decode(expor
     assert chosen.count(3) > 20 and 1 in chosen  # runs of three rows, and of the last row alone
 
 
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_non_finite_step_inside_a_run_ends_it_and_the_next_step_raises(exports, monkeypatch, stop):
+    """A nan in a row's logits at a run's third call (the greedy choice's check, or with a stop-string
+    row beside it the samplers'): the step says the two steps before it, nothing of the third, the next
+    step raises NonFiniteLogitsError, and every row stays consistent (its K/V length, position and
+    tokens agree), so a caller that steps on decodes what a run without the nan decodes."""
+    import graphs
+    from graphs.engine import EngineConfig
+    from graphs.errors import NonFiniteLogitsError
+
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    dec.eos = set()
+    requests = [dict(prompt=[5, 9, 3], max_new_tokens=12, speculation="off", stop=["\x00never"] if stop else None),
+                dict(prompt=[7, 1, 4, 4], max_new_tokens=12, speculation="off")]
+    clean, _ = _drive(dec.engine(EngineConfig(max_batch=2, plain_run_s=0)), requests)
+    calls, _, _ = _hooked_steps(monkeypatch)
+    real_again = BoundCall.again  # (the counting one)
+
+    def poisoned(self):
+        out = real_again(self)
+        if len(calls) == 3:
+            out[C.LOGITS][1, 0, 5] = np.nan
+        return out
+
+    monkeypatch.setattr(BoundCall, "again", poisoned)
+    engine = dec.engine(EngineConfig(max_batch=2, plain_run_s=60))
+    ids = [engine.add_request(**r) for r in requests]
+    got = {i: [] for i in ids}
+    for ev in engine.step():  # the prefills: each request's first token
+        got[ev.request_id] += ev.token_ids
+    calls.clear()
+    events = engine.step()
+    assert len(calls) == 3 and sorted(len(ev.token_ids) for ev in events) == [2, 2]
+    for ev in events:
+        got[ev.request_id] += ev.token_ids
+
+    def consistent():
+        for b, req in enumerate(engine._rows):
+            assert engine.kv.lens[b] == req.position == len(req.prompt) + len(req.tokens) - 1
+            assert req.tokens == got[req.id]
+
+    consistent()
+    with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
+        engine.step()
+    consistent()
+    while engine.has_pending_requests():
+        for ev in engine.step():
+            got[ev.request_id] += ev.token_ids
+    assert [got[i] for i in ids] == [c[0] for c in clean]
+
+
+def test_a_prefilling_rows_discarded_column_is_not_checked(exports, monkeypatch):
+    """A plain step beside a row still prefilling computes a column for it that is dropped: a nan there
+    fails nothing (greedy or sampled decoding rows), as in the general path."""
+    import graphs
+    from graphs.engine import EngineConfig
+
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    dec.eos = set()
+    real_step = BoundCall.step
+    poison = [False]
+
+    def step(self, roots, lens):
+        out = real_step(self, roots, lens)
+        if poison[0]:
+            out[C.LOGITS][1, 0, :] = np.nan  # row 1: the prefilling request's column
+        return out
+
+    monkeypatch.setattr(BoundCall, "step", step)
+    for kw in ({}, dict(temperature=0.8, seed=1)):
+        for run_s in (0, 60):
+            engine = dec.engine(EngineConfig(max_batch=2, prefill_chunk=4, plain_run_s=run_s))
+            a = engine.add_request([5, 9, 3], max_new_tokens=20, speculation="off", **kw)
+            engine.step()
+            engine.add_request(list(range(10, 30)), max_new_tokens=5, speculation="off")
+            engine.step()
+            assert [r.state for r in engine._rows] == ["decoding", "prefill"]
+            poison[0] = True
+            events = engine.step()
+            poison[0] = False
+            assert [(e.request_id, len(e.token_ids)) for e in events] == [(a, 1)]
+
+
 def test_graphs_without_a_bound_step_say_so(exports):
     """The raw export (K/V concatenated) and one-token calls padded to two rows (min_rows 2) take the
     general path: plain_step returns None and changes nothing."""
