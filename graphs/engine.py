@@ -505,15 +505,16 @@ class Engine:
         lens = self.kv.lens[: self.kv.n]
         tree = root_only()
         drafts = any(r is not None and r.draft is not None for r in live)  # drafter state to keep up to date
+        each = drafts and self.proposer.every_plain_step  # (EAGLE's context rows; Medusa: a run's last state)
         adaptive = any(r is not None and r.speculation != "off" for r in live)
         # rows whose stop strings are matched on their text: emitted token by token (a stop ends the run)
         by_token = [r is not None and bool(r.params.stop_strings) for r in live]
         said = [[] for _ in range(n)]  # their events, merged into one at the end
         watchers = list(self.dec.watchers())  # those at its start (a run is one step where there are any)
-        # greedy rows without stop strings or drafter state (the common case): each step's argmax goes
-        # straight into the next call's inputs (BoundCall.greedy), the tokens are read once a step
-        # (a prefilling row's column is computed and dropped: not chosen from, its logits unchecked)
-        greedy = not drafts and not any(by_token) and all(r is not None and r.sampler.temperature == 0 for r in live)
+        # greedy rows without stop strings or drafter state to follow each step (the common case): each
+        # step's argmax goes straight into the next call's inputs (BoundCall.greedy), the tokens are read
+        # once a step (a prefilling row's column is computed and dropped: not chosen from, nor checked)
+        greedy = not each and not any(by_token) and all(r is not None and r.sampler.temperature == 0 for r in live)
         eos = set().union(*(r.eos for r in live if r is not None))  # any row's: a step's one set lookup
         got = []  # the tokens of each step, (n,) each
         steps, t_verify = 0, 0.0
@@ -542,14 +543,14 @@ class Engine:
                 break
             got.append(row)
             steps += 1
-            if drafts:
+            stop = self._run_ends(ends, steps, most, t1, end, deadline, watchers)
+            if each or (drafts and stop):
+                # the drafter state follows the step (Medusa's only a run's last, whose outputs these are;
+                # a run ended by an error keeps the state before it: a worse draft, never a wrong token)
                 cands = [np.array([x], dtype=np.int64) for x in roots]
                 self.proposer.advance(live, out, [None if r is None else [0] for r in live], row, cands, counts)
             roots = row
-            # a row that ends, a request that arrives or is cancelled (here or in a caller's queue:
-            # interrupt), a deadline, a watcher, the time: the run ends
-            if (ends or steps >= most or t1 >= end or self._incoming or self._cancels or self._interrupt
-                    or (deadline is not None and t1 >= deadline) or (not watchers and self.dec.watchers())):
+            if stop:
                 self._interrupt = False
                 break
             if adaptive:
@@ -573,6 +574,13 @@ class Engine:
                 events.append(ev)
         self.planner.costs.add_host(False, (time.perf_counter() - t_start - t_verify) / steps, n)
         return events
+
+    def _run_ends(self, ends: bool, steps: int, most: int, now: float, end: float, deadline, watchers) -> bool:
+        """Whether a run of plain steps ends after this one: a row ended, the steps or the time are used
+        up, a request arrived or was cancelled (here or in a caller's queue: interrupt), a deadline
+        passed, a watcher of each verify started."""
+        return bool(ends or steps >= most or now >= end or self._incoming or self._cancels or self._interrupt
+                    or (deadline is not None and now >= deadline) or (not watchers and self.dec.watchers()))
 
     def _plain_tokens(self, live: list, logits: np.ndarray, roots: list, tree, by_token: list, said: list):
         """One plain step's tokens, each row's sampler choosing from ``logits`` (n, 1, V) as the general

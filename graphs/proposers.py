@@ -45,6 +45,9 @@ class Plain:
     """No drafter: every step verifies the root only."""
 
     kind = "plain"
+    every_plain_step = False
+    """Whether :meth:`advance` must see each plain step of a run (else only its last: the engine's
+    plain runs then call it once, with the last step's outputs)."""
 
     def __init__(self, runtime):
         self.rt = runtime
@@ -139,6 +142,7 @@ class Medusa(Plain):
         return result, t_draft, 1
 
     def advance(self, rows, out, accepted, bonus, cand, sizes) -> None:
+        # the heads read the last accepted hidden state only (every_plain_step False: a run's last)
         for b, r in enumerate(rows):
             if r is not None and accepted[b] is not None and r.draft is not None:
                 r.draft["hidden"] = out[C.HIDDEN][b, accepted[b][-1]].copy()
@@ -166,6 +170,8 @@ class Pending:
 
 class _Eagle(Plain):
     """What both EAGLE strategies share: the drafter's own K/V per row, fed the accepted rows."""
+
+    every_plain_step = True  # each accepted row joins the drafter's pending context (advance)
 
     def __init__(self, runtime, slots: int, max_len: int, headroom: int):
         super().__init__(runtime)

@@ -679,8 +679,9 @@ def test_plain_run_seconds_are_checked(bad):
 def test_adaptive_plain_steps_run_in_a_row_as_the_policy_decided_them(exports):
     """Where the adaptive policy has already decided the next plain steps (a reused plain decision:
     Planner.plain_ahead), they run in one engine step: the same tokens, the same width at every step
-    (probes included) and the same base calls as one step per call, in fewer engine steps. Costs
-    are fixed (drafting never pays) so that both engines decide alike."""
+    (probes included), the same drafts (Medusa's state is a run's last) and the same base calls as one
+    step per call and as the general path, in fewer engine steps. Costs are fixed (drafting never
+    pays) so that the engines decide alike."""
     import graphs
     from graphs.adaptive import AdaptiveConfig, Costs, Planner
     from graphs.engine import Engine, EngineConfig
@@ -699,14 +700,28 @@ def test_adaptive_plain_steps_run_in_a_row_as_the_policy_decided_them(exports):
     dec.eos = set()
     requests = [dict(prompt=[5, 9, 3], max_new_tokens=60, speculation="adaptive"),
                 dict(prompt=[7, 1, 4, 4], max_new_tokens=45, speculation="adaptive")]
-    runs = []
-    for run_s in (0, 60):
+    general = graphs.load(exports["one-sequence"], provider="cpu", threads=1)  # no bound plain step
+    general.eos, general.plain_steps = set(), lambda kv, most: (None, 0)
+    runs, drafts = [], []
+    for d, run_s in ((dec, 0), (dec, 60), (general, 0)):
         planner = Planner(AdaptiveConfig(), costs=FixedCosts())
-        engine = Engine(dec, EngineConfig(max_batch=2, plain_run_s=run_s), planner=planner)
+        engine = Engine(d, EngineConfig(max_batch=2, plain_run_s=run_s), planner=planner)
+        proposed = []  # every drafted step's candidates: drafted from the hidden state the runs left
+        propose = engine.proposer.propose
+
+        def recorded(rows, sizes, propose=propose, proposed=proposed):
+            result = propose(rows, sizes)
+            proposed.append([cand.tolist() for _, cand in result[0]])
+            return result
+
+        engine.proposer.propose = recorded
         got, calls = _drive(engine, requests)
         runs.append((got, calls, list(planner.history), engine.totals))
-    (got0, calls0, widths0, tot0), (got1, calls1, widths1, tot1) = runs
-    assert got0 == got1
+        drafts.append(proposed)
+    (got0, calls0, widths0, tot0), (got1, calls1, widths1, tot1), (got2, _, widths2, _) = runs
+    assert got0 == got1 == got2 and widths0 == widths2
+    # Medusa's drafts from the hidden state a run (or a bound step) left, as the general path leaves it
+    assert drafts[0] == drafts[1] == drafts[2] and sum(len(c) > 1 for d in drafts[0] for c in d) > 3
     assert widths0 == widths1 and widths0.count(1) > 10 and max(widths0) > 1  # plain steps and probes
     assert (tot0.steps, tot0.plain_steps) == (tot1.steps, tot1.plain_steps)
     assert len(calls1) < len(calls0) - 10  # plain steps ran in a row
