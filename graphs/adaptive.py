@@ -26,7 +26,11 @@ part (``SPEC_OFF``: always one token; ``SPEC_ON``: always the full tree, so ``W`
 ``SPEC_ADAPTIVE``: ``min(W, T_b)``). A wider ``W`` is taken only if its rate beats a plain step's by
 ``margin``. While the batch steps plain, a full tree is tried again every ``probe_every`` plain steps
 (doubling, up to ``max_probe_every``, while probes keep losing; halved when one wins; reset while
-drafted steps keep paying), so text that becomes predictable again gets its trees back.
+drafted steps keep paying), so text that becomes predictable again gets its trees back. A plain
+decision holds until that probe (``plain_recheck_every``): the engine runs such stretches as plain
+runs, at the speed of autoregressive decoding. The wait carries from one engine of a decoder to the
+next (``schedule``), so a stream of short requests (``generate`` makes an engine per call) does not
+probe anew after 4, 8, 16... plain steps each.
 
 Trees only change *which* candidates are verified, never the acceptance rule: greedy output stays the
 base's greedy output, and lossless sampling stays lossless (the tree is chosen before the step's
@@ -67,9 +71,14 @@ class AdaptiveConfig:
     max_probe_every: int = 64
     """The longest wait between probes while speculation keeps losing."""
     recheck_every: int = 8
+    """While the full trees clearly pay (``fast_margin``) and the rows do not change, decide again
+    only every this many drafted steps."""
+    plain_recheck_every: int | None = None
     """While the batch steps plain and its rows do not change, decide again only every this many
-    steps (gains change only on drafted steps; costs drift slowly): a plain step then costs the
-    host about what an autoregressive one does. Likewise while the full trees clearly pay."""
+    steps; None: at the next probe (gains change only on drafted steps, costs drift slowly, and the
+    probe decides again). Measured on the 0.9M demo, where drafting does not pay (plain steps only,
+    ``generate`` per prompt): 8 ran at 0.92x autoregressive, None at 0.96x with the wait carried
+    (0.83x with both as before): each decision ends the engine's run of plain steps."""
     fast_margin: float = 1.25
     """Full trees predicted at least this many times a plain step's tokens/s are kept for
     ``recheck_every`` drafted steps without deciding or updating gains (a wholly rejected draft ends
@@ -79,7 +88,8 @@ class AdaptiveConfig:
 
     def __post_init__(self):
         if (not 0 < self.ema <= 1 or self.margin <= 0 or not 1 <= self.probe_every <= self.max_probe_every
-                or self.recheck_every < 1):
+                or self.recheck_every < 1
+                or (self.plain_recheck_every is not None and self.plain_recheck_every < 1)):
             raise ValueError(f"AdaptiveConfig: bad values {self}")
 
 
@@ -277,11 +287,15 @@ class Costs:
 class Planner:
     """Picks each step's width for the whole batch (module doc). One per engine, used by its thread."""
 
-    def __init__(self, cfg: AdaptiveConfig | None = None, costs: Costs | None = None, priors: dict | None = None):
+    def __init__(self, cfg: AdaptiveConfig | None = None, costs: Costs | None = None, priors: dict | None = None,
+                 schedule: dict | None = None):
         self.cfg = cfg or AdaptiveConfig()
         self.costs = costs if costs is not None else Costs(self.cfg.ema)
         self.plain_run = 0  # plain steps in a row while adaptive rows were live
-        self.wait = self.cfg.probe_every
+        # the probes' wait, shared with the decoder's other planners ({"wait": plain steps}): it moves
+        # only as probes win or lose, which is the machine's and the text's, not one engine's
+        self._schedule = schedule if schedule is not None else {}
+        self.wait = self._schedule.get("wait", self.cfg.probe_every)
         self.probing = False  # the last step was a probe
         self.last_width = 1
         self.history: list[int] = []  # the width of every planned step (for stats and tests)
@@ -355,7 +369,8 @@ class Planner:
             width = self._width(modes, full, gains() if callable(gains) else gains)
             self._reuse, self._fast_left, self._reused_for = 0, 0, None
             if width == 1 and SPEC_ADAPTIVE in modes and self.plain_run > 0:
-                self._reuse, self._reused_for = self.cfg.recheck_every - 1, key
+                every = self.cfg.plain_recheck_every or self.cfg.max_probe_every  # (None: the probe ends it)
+                self._reuse, self._reused_for = every - 1, key
             elif self._clear:
                 self._fast_left, self._reused_for = self.cfg.recheck_every - 1, key
         self.history.append(width)
@@ -402,11 +417,11 @@ class Planner:
         paid = top >= self.cfg.margin * plain and best > 1
         was_probe, self.probing = self.probing, False
         if was_probe:  # did the probe win? probe more often again; else wait longer next time
-            self.wait = (max(self.wait // 2, self.cfg.probe_every) if paid
-                         else min(2 * self.wait, self.cfg.max_probe_every))
+            self.wait = self._schedule["wait"] = (max(self.wait // 2, self.cfg.probe_every) if paid
+                                                  else min(2 * self.wait, self.cfg.max_probe_every))
         if paid:
             if self.last_width > 1 and not was_probe:
-                self.wait = self.cfg.probe_every  # drafted steps in a row, still paying
+                self.wait = self._schedule["wait"] = self.cfg.probe_every  # drafted steps in a row, still paying
             self.plain_run = 0
             self._clear = best == w_max and top >= self.cfg.fast_margin * plain
             return best

@@ -31,9 +31,9 @@ from graphs.trees import HEAD_DECAY, RANK_DECAY, TOP1, Tree, medusa_tree
 
 
 def _planner(verify: dict, draft: float = 0.0, rows: int = 1, host_plain: float = 0.0, host_spec: float = 0.0,
-             **cfg) -> Planner:
+             schedule: dict | None = None, **cfg) -> Planner:
     cfg = {"probe_every": 64, "max_probe_every": 64, **cfg}
-    p = Planner(AdaptiveConfig(**cfg))
+    p = Planner(AdaptiveConfig(**cfg), schedule=schedule)
     for tokens, t in verify.items():
         p.costs.add_verify(tokens, t)
     p.costs.add_draft(rows, draft)
@@ -61,7 +61,8 @@ class Counted:
 
 
 @pytest.mark.parametrize("kw", [dict(ema=0.0), dict(ema=1.0001), dict(margin=0.0), dict(margin=-1.0),
-                                dict(probe_every=0), dict(probe_every=5, max_probe_every=4), dict(recheck_every=0)])
+                                dict(probe_every=0), dict(probe_every=5, max_probe_every=4), dict(recheck_every=0),
+                                dict(plain_recheck_every=0)])
 def test_config_refuses_values_past_its_bounds(kw):
     with pytest.raises(ValueError):
         AdaptiveConfig(**kw)
@@ -76,8 +77,8 @@ def test_config_accepts_values_at_its_bounds(kw):
 
 def test_config_defaults_are_the_documented_ones():
     c = AdaptiveConfig()
-    assert (c.ema, c.margin, c.probe_every, c.max_probe_every, c.recheck_every, c.fast_margin) == (
-        0.15, 1.05, 4, 64, 8, 1.25)
+    assert (c.ema, c.margin, c.probe_every, c.max_probe_every, c.recheck_every, c.plain_recheck_every,
+            c.fast_margin) == (0.15, 1.05, 4, 64, 8, None, 1.25)
     assert Costs().ema == 0.15 and RowGains(3).ema == 0.15
 
 
@@ -371,8 +372,8 @@ def test_a_paying_decision_resets_the_plain_run():
 
 @pytest.mark.parametrize("wait", [2, 5])
 def test_probe_exactly_after_wait_plain_steps_deciding_every_step(wait):
-    """recheck_every 1 (no reuse window): every step decides; still plain while plain_run <= wait."""
-    p = _losing(probe_every=wait, recheck_every=1)
+    """plain_recheck_every 1 (no reuse window): every step decides; still plain while plain_run <= wait."""
+    p = _losing(probe_every=wait, plain_recheck_every=1)
     g = Counted(LOSE)
     widths = [int(p.plan(*ONE, g)[0]) for _ in range(wait + 1)]
     assert widths == [1] * wait + [3] and g.calls == wait + 1
@@ -394,15 +395,44 @@ def test_probe_exactly_after_wait_plain_steps_with_reuse(rows):
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("recheck", [1, 3, 8])
-def test_plain_decisions_are_reused_for_recheck_every_steps(rows, recheck):
-    p = _losing(recheck_every=recheck) if rows == 1 else _planner({2: 1.0, 6: 3.0}, draft=1.0, rows=2,
-                                                                   recheck_every=recheck)
+def test_plain_decisions_are_reused_for_plain_recheck_every_steps(rows, recheck):
+    p = (_losing(plain_recheck_every=recheck) if rows == 1
+         else _planner({2: 1.0, 6: 3.0}, draft=1.0, rows=2, plain_recheck_every=recheck))
     g = Counted([np.array([1.0, 1.0, 1.0])] * rows)
     for i in range(3 * recheck):
         assert p.plan(*_adaptive(rows, 3), g).tolist() == [1] * rows
-        assert g.calls == i // recheck + 1, i  # a decision every recheck_every steps
+        assert g.calls == i // recheck + 1, i  # a decision every plain_recheck_every steps
         assert not p.fast
     assert p.plain_run == 3 * recheck
+
+
+@pytest.mark.parametrize("wait", [4, 64])
+def test_a_plain_decision_holds_until_the_probe_by_default(wait):
+    """plain_recheck_every None: the first plain decision after a plain step holds (plain_ahead says
+    so, for the engine's run) until the probe decides again; recheck_every does not bound it."""
+    p = _losing(probe_every=wait, max_probe_every=64, recheck_every=2)
+    g = Counted(LOSE)
+    widths = [int(p.plan(*ONE, g)[0]) for _ in range(wait + 1)]
+    assert widths == [1] * wait + [3] and g.calls == 2  # the first decision and the probe
+    p = _losing(probe_every=wait, max_probe_every=64)
+    p.plan(*ONE, g)
+    p.plan(*ONE, g)  # decided after a plain step: the window opens
+    assert p.plain_ahead() == wait - 2
+
+
+def test_the_probes_wait_carries_to_the_next_planner_of_a_schedule():
+    """Planners sharing a schedule (a decoder's engines) share the probes' wait: a probe lost in one
+    doubles the wait the next starts from; a probe won halves it; without a schedule each starts at
+    probe_every."""
+    schedule = {}
+    first = _losing(probe_every=2, max_probe_every=64, schedule=schedule)
+    first.wait, first.probing = 16, True
+    first.plan(*ONE, LOSE)
+    assert first.wait == 32 and schedule == {"wait": 32}
+    second = _planner({1: 1.0, 3: 1.0}, probe_every=2, max_probe_every=64, schedule=schedule)  # drafting pays
+    assert second.wait == 32 and _losing(probe_every=2, max_probe_every=64).wait == 2
+    second.probing, second.last_width = True, 3
+    assert second.plan(*ONE, WIN).tolist() == [3] and schedule == {"wait": 16}  # the probe won
 
 
 def test_a_plain_decision_is_not_reused_for_other_rows():
