@@ -28,9 +28,8 @@ part (``SPEC_OFF``: always one token; ``SPEC_ON``: always the full tree, so ``W`
 (doubling, up to ``max_probe_every``, while probes keep losing; halved when one wins; reset while
 drafted steps keep paying), so text that becomes predictable again gets its trees back. A plain
 decision holds until that probe (``plain_recheck_every``): the engine runs such stretches as plain
-runs, at the speed of autoregressive decoding. The wait carries from one engine of a decoder to the
-next (``schedule``), so a stream of short requests (``generate`` makes an engine per call) does not
-probe anew after 4, 8, 16... plain steps each.
+runs, as it runs autoregressive decoding. (The wait is each engine's: carried across a decoder's
+engines, a few probes lost to noise kept the 19M model plain for whole benchmark runs.)
 
 Trees only change *which* candidates are verified, never the acceptance rule: greedy output stays the
 base's greedy output, and lossless sampling stays lossless (the tree is chosen before the step's
@@ -76,9 +75,9 @@ class AdaptiveConfig:
     plain_recheck_every: int | None = None
     """While the batch steps plain and its rows do not change, decide again only every this many
     steps; None: at the next probe (gains change only on drafted steps, costs drift slowly, and the
-    probe decides again). Measured on the 0.9M demo, where drafting does not pay (plain steps only,
-    ``generate`` per prompt): 8 ran at 0.92x autoregressive, None at 0.96x with the wait carried
-    (0.83x with both as before): each decision ends the engine's run of plain steps."""
+    probe decides again). Each decision ends the engine's run of plain steps: on the 0.9M demo with
+    drafting made never to pay (``generate`` per prompt, four probes per 96-token request either way),
+    8 ran at 0.79-0.81x autoregressive, None at 0.82-0.86x."""
     fast_margin: float = 1.25
     """Full trees predicted at least this many times a plain step's tokens/s are kept for
     ``recheck_every`` drafted steps without deciding or updating gains (a wholly rejected draft ends
@@ -287,15 +286,11 @@ class Costs:
 class Planner:
     """Picks each step's width for the whole batch (module doc). One per engine, used by its thread."""
 
-    def __init__(self, cfg: AdaptiveConfig | None = None, costs: Costs | None = None, priors: dict | None = None,
-                 schedule: dict | None = None):
+    def __init__(self, cfg: AdaptiveConfig | None = None, costs: Costs | None = None, priors: dict | None = None):
         self.cfg = cfg or AdaptiveConfig()
         self.costs = costs if costs is not None else Costs(self.cfg.ema)
         self.plain_run = 0  # plain steps in a row while adaptive rows were live
-        # the probes' wait, shared with the decoder's other planners ({"wait": plain steps}): it moves
-        # only as probes win or lose, which is the machine's and the text's, not one engine's
-        self._schedule = schedule if schedule is not None else {}
-        self.wait = self._schedule.get("wait", self.cfg.probe_every)
+        self.wait = self.cfg.probe_every
         self.probing = False  # the last step was a probe
         self.last_width = 1
         self.history: list[int] = []  # the width of every planned step (for stats and tests)
@@ -417,11 +412,11 @@ class Planner:
         paid = top >= self.cfg.margin * plain and best > 1
         was_probe, self.probing = self.probing, False
         if was_probe:  # did the probe win? probe more often again; else wait longer next time
-            self.wait = self._schedule["wait"] = (max(self.wait // 2, self.cfg.probe_every) if paid
-                                                  else min(2 * self.wait, self.cfg.max_probe_every))
+            self.wait = (max(self.wait // 2, self.cfg.probe_every) if paid
+                         else min(2 * self.wait, self.cfg.max_probe_every))
         if paid:
             if self.last_width > 1 and not was_probe:
-                self.wait = self._schedule["wait"] = self.cfg.probe_every  # drafted steps in a row, still paying
+                self.wait = self.cfg.probe_every  # drafted steps in a row, still paying
             self.plain_run = 0
             self._clear = best == w_max and top >= self.cfg.fast_margin * plain
             return best

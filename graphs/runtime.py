@@ -116,7 +116,6 @@ class Decoder:
         # costs and mean gains per setting; races between threads can only lose one average's update
         self.costs = Costs()
         self.priors: dict = {}
-        self.schedule: dict = {}  # the adaptive probes' wait, shared by this decoder's engines (Planner)
         self._watch: list[list] = []  # watch_verify() record lists
         self._watch_lock = threading.Lock()
         self.drafter = m.drafter
@@ -371,8 +370,7 @@ class Decoder:
 
     def new_planner(self) -> Planner:
         """The adaptive policy of a new engine, sharing what this decoder's engines measured."""
-        return Planner(self.adaptive_config, costs=self.costs, priors=self.priors,  # shared on purpose (__init__)
-                       schedule=self.schedule)
+        return Planner(self.adaptive_config, costs=self.costs, priors=self.priors)  # shared on purpose (__init__)
 
     # ------------------------------------------------------------------ requests
 

@@ -31,9 +31,9 @@ from graphs.trees import HEAD_DECAY, RANK_DECAY, TOP1, Tree, medusa_tree
 
 
 def _planner(verify: dict, draft: float = 0.0, rows: int = 1, host_plain: float = 0.0, host_spec: float = 0.0,
-             schedule: dict | None = None, **cfg) -> Planner:
+             **cfg) -> Planner:
     cfg = {"probe_every": 64, "max_probe_every": 64, **cfg}
-    p = Planner(AdaptiveConfig(**cfg), schedule=schedule)
+    p = Planner(AdaptiveConfig(**cfg))
     for tokens, t in verify.items():
         p.costs.add_verify(tokens, t)
     p.costs.add_draft(rows, draft)
@@ -418,21 +418,6 @@ def test_a_plain_decision_holds_until_the_probe_by_default(wait):
     p.plan(*ONE, g)
     p.plan(*ONE, g)  # decided after a plain step: the window opens
     assert p.plain_ahead() == wait - 2
-
-
-def test_the_probes_wait_carries_to_the_next_planner_of_a_schedule():
-    """Planners sharing a schedule (a decoder's engines) share the probes' wait: a probe lost in one
-    doubles the wait the next starts from; a probe won halves it; without a schedule each starts at
-    probe_every."""
-    schedule = {}
-    first = _losing(probe_every=2, max_probe_every=64, schedule=schedule)
-    first.wait, first.probing = 16, True
-    first.plan(*ONE, LOSE)
-    assert first.wait == 32 and schedule == {"wait": 32}
-    second = _planner({1: 1.0, 3: 1.0}, probe_every=2, max_probe_every=64, schedule=schedule)  # drafting pays
-    assert second.wait == 32 and _losing(probe_every=2, max_probe_every=64).wait == 2
-    second.probing, second.last_width = True, 3
-    assert second.plan(*ONE, WIN).tolist() == [3] and schedule == {"wait": 16}  # the probe won
 
 
 def test_a_plain_decision_is_not_reused_for_other_rows():
