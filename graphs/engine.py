@@ -543,7 +543,10 @@ class Engine:
                 break
             got.append(row)
             steps += 1
-            stop = self._run_ends(ends, steps, most, t1, end, deadline, watchers)
+            # a row that ends, a request that arrives or is cancelled (here or in a caller's queue:
+            # interrupt), a deadline, a watcher, the time: the run ends after this step
+            stop = (ends or steps >= most or t1 >= end or self._incoming or self._cancels or self._interrupt
+                    or (deadline is not None and t1 >= deadline) or (not watchers and self.dec.watchers()))
             if each or (drafts and stop):
                 # the drafter state follows the step (Medusa's only a run's last, whose outputs these are;
                 # a run ended by an error keeps the state before it: a worse draft, never a wrong token)
@@ -574,13 +577,6 @@ class Engine:
                 events.append(ev)
         self.planner.costs.add_host(False, (time.perf_counter() - t_start - t_verify) / steps, n)
         return events
-
-    def _run_ends(self, ends: bool, steps: int, most: int, now: float, end: float, deadline, watchers) -> bool:
-        """Whether a run of plain steps ends after this one: a row ended, the steps or the time are used
-        up, a request arrived or was cancelled (here or in a caller's queue: interrupt), a deadline
-        passed, a watcher of each verify started."""
-        return bool(ends or steps >= most or now >= end or self._incoming or self._cancels or self._interrupt
-                    or (deadline is not None and now >= deadline) or (not watchers and self.dec.watchers()))
 
     def _plain_tokens(self, live: list, logits: np.ndarray, roots: list, tree, by_token: list, said: list):
         """One plain step's tokens, each row's sampler choosing from ``logits`` (n, 1, V) as the general

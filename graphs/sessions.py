@@ -371,8 +371,7 @@ class BoundCall:
     def step(self, roots, lens: np.ndarray) -> dict:
         """A plain step (S == 1): ``roots`` (n,) each at its row's length ``lens`` (n,)."""
         self.ids[:, 0] = roots
-        self.pos[:, 0] = lens
-        self.write[:] = lens
+        self.pos[:, 0] = lens  # (and the write columns: at S == 1 the same memory)
         np.less_equal(self.columns, lens[:, None], out=self.mask[:, 0, 0])  # the past and the token itself
         self.session.run_with_iobinding(self.io)
         return self.outputs
