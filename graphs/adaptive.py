@@ -26,7 +26,11 @@ part (``SPEC_OFF``: always one token; ``SPEC_ON``: always the full tree, so ``W`
 ``SPEC_ADAPTIVE``: ``min(W, T_b)``). A wider ``W`` is taken only if its rate beats a plain step's by
 ``margin``. While the batch steps plain, a full tree is tried again every ``probe_every`` plain steps
 (doubling, up to ``max_probe_every``, while probes keep losing; halved when one wins; reset while
-drafted steps keep paying), so text that becomes predictable again gets its trees back. A plain
+drafted steps keep paying), so text that becomes predictable again gets its trees back. The wait is
+longer the farther drafting is from paying (:meth:`Planner._probe_due`): each row's ceiling (the
+tokens a cut tree emits with every draft accepted) bounds what a probe can find, and where even
+that cannot pay for a drafted step (a weak drafter, or one too costly for its base on this machine)
+the wait is ``max_probe_every`` from the first plain decision on. A plain
 decision holds until that probe (``plain_recheck_every``): the engine runs such stretches as plain
 runs, as it runs autoregressive decoding. (The wait is each engine's: carried across a decoder's
 engines, a few probes lost to noise kept the 19M model plain for whole benchmark runs.)
@@ -68,7 +72,8 @@ class AdaptiveConfig:
     probe_every: int = 4
     """Plain steps before a full tree is tried again (the first wait)."""
     max_probe_every: int = 64
-    """The longest wait between probes while speculation keeps losing."""
+    """The longest wait between probes while speculation keeps losing, and the wait where no width
+    could pay even with every draft accepted."""
     recheck_every: int = 8
     """While the full trees clearly pay (``fast_margin``) and the rows do not change, decide again
     only every this many drafted steps."""
@@ -158,6 +163,31 @@ def cut_tree(tree: Tree, n: int) -> np.ndarray:
     return np.concatenate(([0], np.sort(best)))
 
 
+def tree_ceiling(tree: Tree) -> np.ndarray:
+    """(T,) the most tokens a step verifying ``tree`` cut to its best n = 1..T nodes can emit: the
+    deepest kept node's path, every draft on it accepted, plus the bonus token (a static tree's
+    cuts are fixed: computed once per tree)."""
+    got = _CEILINGS.get(tree)
+    if got is None:
+        # the nodes by score as cut_tree ranks them (a static Medusa tree: its static scores, as the
+        # proposer's trees carry them), the deepest of the first n - 1 a running maximum
+        score = (tree.score if tree.score is not None
+                 else static_scores(tree) if tree.head is not None and tree.rank is not None
+                 else -np.arange(tree.size, dtype=np.float64))
+        best = np.argsort(-score[1:], kind="stable") + 1
+        got = _CEILINGS[tree] = 1.0 + np.concatenate(([0], np.maximum.accumulate(tree.depth[best])))
+    return got
+
+
+def chain_ceiling(size: int, depth: int) -> np.ndarray:
+    """(size,) :func:`tree_ceiling` of a tree built anew each step with at most ``depth`` levels
+    (EAGLE's): n nodes hold a path of at most min(n - 1, depth) drafts."""
+    return np.minimum(np.arange(1, size + 1), depth + 1).astype(np.float64)
+
+
+_CEILINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def sub_tree(tree: Tree, keep: np.ndarray) -> Tree:
     """The tree restricted to ``keep`` (ancestor-closed, node order), re-indexed."""
     new = np.full(tree.size, -1, dtype=np.int64)
@@ -176,8 +206,12 @@ def root_only() -> Tree:
 class RowGains:
     """One request's gains by tree size (see the module doc); ``gain[0]`` is 1 (a plain step)."""
 
-    def __init__(self, tree_size: int, prior: np.ndarray | None = None, ema: float = 0.15):
+    def __init__(self, tree_size: int, prior: np.ndarray | None = None, ema: float = 0.15,
+                 ceiling: np.ndarray | None = None):
         self.t, self.ema = int(tree_size), ema
+        # (T,) the most tokens a step of each size can emit, every draft accepted (tree_ceiling);
+        # None: unknown (the policy then probes on its doubling wait alone)
+        self.ceiling = None if ceiling is None else [float(x) for x in ceiling[: self.t]]
         self.gain = np.full(self.t, np.nan)  # (T,) EMA; NaN = never observed
         self.gain[0] = 1.0
         if prior is not None and prior.shape[0] <= self.t:
@@ -215,26 +249,40 @@ class Costs:
     def __init__(self, ema: float = 0.15):
         self.ema = ema
         self._sorted: dict[int, tuple] = {}  # id(table) -> (xs, monotone ys), rebuilt after a change
+        # (table name, key) measured once: the first call of a shape is cold (the session allocates,
+        # pages fault in), so the second measurement replaces it. Measured on the 0.9M demo (int4):
+        # the first 8-token verify 1.32 ms, the next ones 0.89-0.90; the first drafter call 0.31 ms,
+        # the next 0.17. Averaged in (ema 0.15) it took a dozen calls to fade, and the policy's
+        # probe wait (which grows the farther drafting is from paying) read it as drafting's cost.
+        self._once: set[tuple[str, int]] = set()
         self.verify: dict[int, float] = {}  # token rows (batch x width) -> seconds
         self.draft: dict[int, float] = {}  # batch rows -> seconds of drafting per drafted step
         self.host_plain: dict[int, float] = {}  # batch rows -> host seconds per plain step (outside graph calls)
         self.host_spec: dict[int, float] = {}  # batch rows -> host seconds per drafted step
 
-    def _avg(self, table: dict, key: int, value: float) -> None:
+    def _avg(self, name: str, key: int, value: float) -> None:
+        table = getattr(self, name)
         old = table.get(key)
-        table[key] = value if old is None else (1 - self.ema) * old + self.ema * value
+        if old is None:
+            table[key] = value
+            self._once.add((name, key))
+        elif (name, key) in self._once:  # the second measurement: the first was cold
+            table[key] = value
+            self._once.discard((name, key))
+        else:
+            table[key] = (1 - self.ema) * old + self.ema * value
         self._sorted.pop(id(table), None)
 
     def add_verify(self, tokens: int, seconds: float) -> None:
-        self._avg(self.verify, int(tokens), float(seconds))
+        self._avg("verify", int(tokens), float(seconds))
 
     def add_draft(self, rows: int, seconds: float) -> None:
-        self._avg(self.draft, int(rows), float(seconds))
+        self._avg("draft", int(rows), float(seconds))
 
     def add_host(self, drafted: bool, seconds: float, rows: int = 1) -> None:
         """A step's host time: its wall time less its graph calls (tree handling, acceptance, emit:
         all per row, so it is kept by batch rows like the graph calls)."""
-        self._avg(self.host_spec if drafted else self.host_plain, int(rows), float(seconds))
+        self._avg("host_spec" if drafted else "host_plain", int(rows), float(seconds))
 
     def host_cost(self, drafted: bool, rows) -> float:
         """Estimated host seconds of a step over ``rows`` (0 until measured)."""
@@ -280,6 +328,7 @@ class Costs:
         c = Costs(self.ema)
         c.verify, c.draft = dict(self.verify), dict(self.draft)  # (new tables: nothing cached for them)
         c.host_plain, c.host_spec = dict(self.host_plain), dict(self.host_spec)
+        c._once = set(self._once)
         return c
 
 
@@ -291,6 +340,7 @@ class Planner:
         self.costs = costs if costs is not None else Costs(self.cfg.ema)
         self.plain_run = 0  # plain steps in a row while adaptive rows were live
         self.wait = self.cfg.probe_every
+        self.due = self.wait  # plain steps before the next probe: the wait, or longer where drafting is far from paying
         self.probing = False  # the last step was a probe
         self.last_width = 1
         self.history: list[int] = []  # the width of every planned step (for stats and tests)
@@ -340,18 +390,21 @@ class Planner:
             return tokens / (c.verify_cost(rows) + c.host_cost(False, rows))
         return tokens / (c.verify_cost(rows * width) + c.draft_cost(rows) + c.host_cost(True, rows))
 
-    def plan(self, modes: np.ndarray, full: np.ndarray, gains: list[np.ndarray | None]) -> np.ndarray:
+    def plan(self, modes: np.ndarray, full: np.ndarray, gains: list[np.ndarray | None],
+             ceilings=None) -> np.ndarray:
         """(B,) nodes each row verifies next step (0 for an idle row, 1 for a plain one).
 
         ``modes`` (B,): IDLE / SPEC_OFF / SPEC_ON / SPEC_ADAPTIVE; ``full`` (B,): each row's full tree
         size; ``gains``: per row, its :meth:`RowGains.predicted` (SPEC_ON and SPEC_ADAPTIVE rows), or a
-        callable returning that list (called only when a decision is made)."""
+        callable returning that list (called only when a decision is made); ``ceilings``: the same for
+        :attr:`RowGains.ceiling` (None, or None for a row: unknown), which sets how long a plain
+        decision waits for its probe (:meth:`_probe_due`)."""
         # plain Python over the rows: a step's decision was two dozen small numpy operations, each
         # slow right after a graph call has flushed the CPU caches (~0.1 ms a step)
         modes, full = [int(m) for m in modes], [int(t) for t in full]
         key = (tuple(modes), tuple(full))
         self.fast = False
-        if self._reuse > 0 and key == self._reused_for and self.plain_run < self.wait:
+        if self._reuse > 0 and key == self._reused_for and self.plain_run < self.due:
             self._reuse -= 1  # plain lately, the same rows: only the probe counter moves
             self.plain_run += 1
             width = 1
@@ -361,7 +414,8 @@ class Planner:
             width = self.last_width
         else:
             self._clear = False
-            width = self._width(modes, full, gains() if callable(gains) else gains)
+            width = self._width(modes, full, gains() if callable(gains) else gains,
+                                ceilings() if callable(ceilings) else ceilings)
             self._reuse, self._fast_left, self._reused_for = 0, 0, None
             if width == 1 and SPEC_ADAPTIVE in modes and self.plain_run > 0:
                 every = self.cfg.plain_recheck_every or self.cfg.max_probe_every  # (None: the probe ends it)
@@ -374,7 +428,7 @@ class Planner:
                  for m, t in zip(modes, full)]
         return np.array(sizes, dtype=np.int64)
 
-    def _width(self, modes: list[int], full: list[int], gains) -> int:
+    def _width(self, modes: list[int], full: list[int], gains, ceilings=None) -> int:
         rows = len(modes)
         on = [b for b, m in enumerate(modes) if m == SPEC_ON]
         adapt = [b for b, m in enumerate(modes) if m == SPEC_ADAPTIVE]
@@ -417,14 +471,55 @@ class Planner:
         if paid:
             if self.last_width > 1 and not was_probe:
                 self.wait = self.cfg.probe_every  # drafted steps in a row, still paying
-            self.plain_run = 0
+            self.plain_run, self.due = 0, self.wait
             self._clear = best == w_max and top >= self.cfg.fast_margin * plain
             return best
         self.plain_run += 1
-        if self.plain_run > self.wait:  # probe: full trees for all, to measure the gains again
+        self.due = self._probe_due(modes, full, gains, ceilings, w_max, n_off, plain)
+        if self.plain_run > self.due:  # probe: full trees for all, to measure the gains again
             self.plain_run, self.probing = 0, True
             return w_max
         return 1
+
+    def _probe_due(self, modes: list[int], full: list[int], gains, ceilings, w_max: int, n_off: int,
+                   plain: float) -> int:
+        """Plain steps before the next probe: the doubling wait, or longer the farther drafting is from
+        paying. A width W pays once its rows emit ``need(W) = margin * plain rate * cost(W)`` tokens;
+        they are predicted to emit ``pred(W)`` and can emit at most ``cap(W)`` (every draft accepted:
+        the ceilings). The gains must climb ``f = (need - pred) / (cap - pred)`` of their room for the
+        closest width to pay: the wait grows geometrically with ``f`` from ``probe_every`` to
+        ``max_probe_every``, which it is where no width can pay at all (f >= 1: a drafted step costs
+        more than its best case buys, as on the 0.9M demo, where every probe lost about two plain
+        steps). Computed from the costs and gains an engine carries, so a new engine's first plain
+        decision knows it (a doubling wait starts again at ``probe_every`` for each engine)."""
+        cfg = self.cfg
+        if ceilings is None or cfg.max_probe_every <= self.wait:
+            return self.wait
+        rows = len(modes)
+        drafting = [b for b in range(rows) if modes[b] == SPEC_ADAPTIVE]
+        if any(ceilings[b] is None for b in drafting):
+            return self.wait
+        c = self.costs
+        fixed = c.draft_cost(rows) + c.host_cost(True, rows)
+        got = [(gains[b].tolist(), ceilings[b], full[b]) for b in drafting]
+        f = np.inf
+        for w in range(2, w_max + 1):
+            need = cfg.margin * plain * (c.verify_cost(rows * w) + fixed)
+            pred = cap = float(n_off)
+            for g, top, t in got:
+                k = min(w, t) - 1
+                pred += g[k]
+                cap += top[k]
+            if need != need:  # unmeasured: probe on the wait
+                return self.wait
+            if need <= pred:
+                f = 0.0
+            elif cap > pred:
+                f = min(f, (need - pred) / (cap - pred))
+        if f >= 1:
+            return cfg.max_probe_every
+        due = round(cfg.probe_every * (cfg.max_probe_every / cfg.probe_every) ** f)
+        return max(self.wait, min(due, cfg.max_probe_every))
 
     def plain_ahead(self) -> int:
         """Plain steps :meth:`plan` has already decided after the one it just planned plain (a reused
@@ -432,7 +527,7 @@ class Planner:
         :meth:`planned_plain` for each (the rows must stay the same)."""
         if self.last_width != 1 or self._reused_for is None:
             return 0
-        return max(min(self._reuse, self.wait - self.plain_run), 0)
+        return max(min(self._reuse, self.due - self.plain_run), 0)
 
     def planned_plain(self) -> None:
         """One of :meth:`plain_ahead`'s steps ran: what :meth:`plan` records for it."""

@@ -413,7 +413,9 @@ class Engine:
             modes = np.array([IDLE if r is None else _MODES[r.speculation] for r in live])
             full = np.array([1 if r is None else r.tree_size for r in live], dtype=np.int64)
             sizes = self.planner.plan(modes, full, lambda: [None if r is None or r.gains is None
-                                                            else r.gains.predicted() for r in live])
+                                                            else r.gains.predicted() for r in live],
+                                      lambda: [None if r is None or r.gains is None else r.gains.ceiling
+                                               for r in live])
             drafted = int(sizes.max()) > 1
         else:  # nobody may speculate: nothing to decide
             sizes, drafted = None, False

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from graphs import contract as C
-from graphs.adaptive import AdaptiveConfig, Costs, Planner, RowGains
+from graphs.adaptive import AdaptiveConfig, Costs, Planner, RowGains, chain_ceiling, tree_ceiling
 from graphs.eagle_draft import DRAFT_MODES, baked_trees, choose_graph
 from graphs.engine import Engine, EngineConfig, Request
 from graphs.errors import ArtifactError, InputError, as_input_error
@@ -437,8 +437,10 @@ class Decoder:
             req.prior_key = (*key, p.temperature, p.top_p, p.top_k, p.acceptance)
             # on rows too: their expected tokens weigh in the batch's choice of width
             prior = self.priors.get(req.prior_key)
+            ceiling = (tree_ceiling(req.tree) if self.kind == "medusa"
+                       else chain_ceiling(req.tree_size, req.tree["depth"]))
             req.gains = RowGains(req.tree_size, None if prior is None else prior[0].copy(),
-                                 (self.adaptive_config or AdaptiveConfig()).ema)
+                                 (self.adaptive_config or AdaptiveConfig()).ema, ceiling)
         if self.tokenizer is not None:
             from tokenizers.decoders import DecodeStream
 

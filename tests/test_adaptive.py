@@ -192,8 +192,10 @@ def test_verify_cost_estimates_interpolate_and_extrapolate():
     assert c.verify_cost(20) == pytest.approx(6.0)  # past the largest: proportional (compute-bound)
     assert c.verify_cost(1) == pytest.approx(1.0)  # below the smallest: the smallest
     assert np.allclose(c.verify_cost(np.array([2, 6, 20])), [1.0, 2.0, 6.0])
-    c.add_verify(2, 2.0)  # an average, weighted ema to the newest
-    assert c.verify[2] == pytest.approx(0.85 * 1.0 + 0.15 * 2.0)
+    c.add_verify(2, 1.5)  # the second measurement replaces the first (a shape's first call is cold)
+    assert c.verify[2] == 1.5
+    c.add_verify(2, 2.0)  # then an average, weighted ema to the newest
+    assert c.verify[2] == pytest.approx(0.85 * 1.5 + 0.15 * 2.0)
 
 
 def test_unobserved_sizes_grow_by_the_last_measured_increment():

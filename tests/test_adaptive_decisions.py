@@ -9,6 +9,8 @@ depends on the batch (costs are by token rows and by batch rows).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -21,11 +23,13 @@ from graphs.adaptive import (
     Costs,
     Planner,
     RowGains,
+    chain_ceiling,
     counterfactual_gain,
     cut_tree,
     plain_inputs,
     static_scores,
     sub_tree,
+    tree_ceiling,
 )
 from graphs.trees import HEAD_DECAY, RANK_DECAY, TOP1, Tree, medusa_tree
 
@@ -179,8 +183,12 @@ def test_cost_tables_refresh_after_a_new_measurement_and_copies_are_independent(
     c.add_verify(4, 3.0)  # the cached (xs, ys) must be rebuilt
     assert c.verify_cost(4) == 3.0
     c.add_verify(4, 1.0)
-    assert c.verify[4] == 2.0  # ema 0.5
+    assert c.verify[4] == 1.0  # the second measurement replaces the first (cold)
+    c.add_verify(4, 3.0)
+    assert c.verify[4] == 2.0  # then ema 0.5
     d = c.copy()
+    d.add_verify(2, 3.0)  # the copy knows 2 was measured once: replaced
+    assert d.verify[2] == 3.0 and c.verify[2] == 1.0
     d.add_verify(4, 10.0)
     d.add_draft(1, 1.0)
     d.add_host(True, 1.0)
@@ -388,6 +396,68 @@ def test_probe_exactly_after_wait_plain_steps_with_reuse(rows):
     widths = [int(p.plan(*_adaptive(rows, 3), g).max()) for _ in range(4)]
     assert widths == [1, 1, 1, 3] and g.calls == 2 and p.probing and p.plain_run == 0
     assert p.history == widths
+
+
+def test_tree_ceiling_is_the_deepest_kept_path_plus_the_bonus():
+    tree = medusa_tree([[0], [1], [2], [0, 0]])  # ranks by static score: [0], [0, 0], [1], [2]
+    assert tree_ceiling(tree).tolist() == [1.0, 2.0, 3.0, 3.0, 3.0]
+    assert tree_ceiling(tree) is tree_ceiling(tree)  # once per tree
+    for n in range(1, 6):  # the deepest node that cut_tree keeps, on the scored tree the proposer verifies
+        scored = dataclasses.replace(tree, score=static_scores(tree))
+        assert tree_ceiling(scored)[n - 1] == 1 + tree.depth[cut_tree(scored, n)].max()
+    plain = Tree.from_parents([-1, 0, 0, 1])  # no scores, no heads: node order
+    assert tree_ceiling(plain).tolist() == [1.0, 2.0, 2.0, 3.0]
+    assert chain_ceiling(5, 2).tolist() == [1.0, 2.0, 3.0, 3.0, 3.0]
+    assert chain_ceiling(2, 4).tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_where_no_width_can_pay_the_probe_waits_the_longest(rows):
+    """_losing's full tree costs 4 plain steps and can emit at most 3 tokens (the ceiling): no gains
+    could make it pay, so the first plain decision holds for max_probe_every steps, not probe_every."""
+    p = _planner({rows: 1.0, 3 * rows: 3.0}, draft=1.0, rows=rows, probe_every=4, max_probe_every=64)
+    g, caps = Counted([np.array([1.0, 1.0, 1.0])] * rows), [np.array([1.0, 2.0, 3.0])] * rows
+    widths = [int(p.plan(*_adaptive(rows, 3), g, caps).max()) for _ in range(65)]
+    assert widths == [1] * 64 + [3] and g.calls == 2 and p.wait == 4
+    p = _planner({rows: 1.0, 3 * rows: 3.0}, draft=1.0, rows=rows, probe_every=4, max_probe_every=64)
+    p.plan(*_adaptive(rows, 3), g, caps)
+    assert p.due == 64 and p.plain_ahead() == 63  # the engine's plain run may take them all
+
+
+# a full tree of 3 costs two plain steps (verify flat, drafter one step): it pays at 2.1 tokens
+# (margin 1.05); it can emit 3. Gains g at width 3 must climb f = (2.1 - g) / (3 - g) of their room
+@pytest.mark.parametrize(("gain", "cap", "due"), [
+    (2.09, 3.0, 4),    # f ~ 0.01: probe as soon as the wait says
+    (1.2, 3.0, 16),    # f = 0.5: 4 * 16 ** 0.5
+    (1.0, 3.0, 18),    # f = 0.55: 4 * 16 ** 0.55 = 18.4
+    (1.0, 2.1, 64),    # the best case only just pays (f = 1): the longest wait
+    (1.0, 2.0, 64),    # the best case cannot pay
+])
+def test_the_probe_wait_grows_with_the_distance_from_paying(gain, cap, due):
+    p = _planner({1: 1.0, 3: 1.0}, draft=1.0, probe_every=4, max_probe_every=64)
+    assert p.plan(*ONE, [np.array([1.0, 1.0, gain])], [np.array([1.0, 2.0, cap])]).tolist() == [1]
+    assert p.due == due
+
+
+def test_the_probe_wait_is_the_doubling_one_without_ceilings_or_where_it_is_longer():
+    p = _losing(probe_every=4, max_probe_every=64)
+    p.plan(*ONE, LOSE)  # no ceilings (unknown): the wait
+    assert p.due == 4
+    p = _losing(probe_every=4, max_probe_every=64)
+    p.plan(*ONE, LOSE, [None])  # a row's ceiling unknown
+    assert p.due == 4
+    p = _planner({1: 1.0, 3: 1.0}, draft=1.0, probe_every=4, max_probe_every=64)
+    p.wait = 32  # lost probes doubled it past the distance's 4
+    p.plan(*ONE, [np.array([1.0, 1.0, 2.09])], [np.array([1.0, 2.0, 3.0])])
+    assert p.due == 32
+
+
+def test_a_probe_that_wins_ends_the_long_wait():
+    p = _planner({1: 1.0, 3: 1.0}, draft=1.0, probe_every=4, max_probe_every=64)
+    lose, caps = [np.array([1.0, 1.0, 1.0])], [np.array([1.0, 2.0, 2.0])]
+    assert [int(p.plan(*ONE, lose, caps)[0]) for _ in range(65)] == [1] * 64 + [3] and p.probing
+    assert p.plan(*ONE, [np.array([1.0, 2.0, 3.0])], [np.array([1.0, 2.0, 3.0])]).tolist() == [3]  # predictable
+    assert p.due == p.wait == 4 and p.plain_ahead() == 0
 
 
 # ----------------------------------------------------------------------------- the reuse and fast windows

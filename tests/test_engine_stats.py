@@ -15,7 +15,7 @@ from graphs.adaptive import IDLE, SPEC_OFF, Planner
 class Cycling(Planner):
     """full trees, a plain step, then per-row cuts (row b: 1 + (b + k) % T nodes), in turn."""
 
-    def plan(self, modes, full, gains):
+    def plan(self, modes, full, gains, ceilings=None):
         k, n = len(self.history), len(modes)
         sizes = (full.copy() if k % 3 == 0 else np.ones(n, dtype=np.int64) if k % 3 == 1
                  else 1 + (np.arange(n) + k) % full)

@@ -693,7 +693,7 @@ def test_adaptive_plain_steps_run_in_a_row_as_the_policy_decided_them(exports):
             self.draft[1] = 1.0
             self.host_plain[1] = self.host_spec[1] = 0.0
 
-        def _avg(self, table, key, value):  # measured times change nothing
+        def _avg(self, name, key, value):  # measured times change nothing
             pass
 
     dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
@@ -704,7 +704,9 @@ def test_adaptive_plain_steps_run_in_a_row_as_the_policy_decided_them(exports):
     general.eos, general.plain_steps = set(), lambda kv, most: (None, 0)
     runs, drafts = [], []
     for d, run_s in ((dec, 0), (dec, 60), (general, 0)):
-        planner = Planner(AdaptiveConfig(), costs=FixedCosts())
+        # (drafting can never pay here, so the default would wait 64 steps for a probe: 8 keeps
+        # probes, and the drafts after runs, inside these requests)
+        planner = Planner(AdaptiveConfig(max_probe_every=8), costs=FixedCosts())
         engine = Engine(d, EngineConfig(max_batch=2, plain_run_s=run_s), planner=planner)
         proposed = []  # every drafted step's candidates: drafted from the hidden state the runs left
         propose = engine.proposer.propose
