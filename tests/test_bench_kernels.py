@@ -56,6 +56,20 @@ def test_per_row_int8_is_close_to_the_float_matmul():
     assert np.abs(y - ref).max() < 0.02 * np.abs(ref).max()
 
 
+def test_per_row_int8_cannot_saturate_without_vnni():
+    """x86 without VNNI sums adjacent u8 x s8 products in int16 with saturation: the per-row form's
+    weights stay within 7 bits so that no pair of products can reach it, on any machine (8-bit
+    weights failed the closeness test above on an AVX2-only CI machine, 13% off)."""
+    import onnx
+
+    q = bench_kernels._per_row_int8(bench_kernels._chain(64, 128, 2, np.random.default_rng(0)))
+    weights = [onnx.numpy_helper.to_array(t) for t in q.graph.initializer if t.data_type == onnx.TensorProto.INT8]
+    assert len(weights) == 2
+    for w in weights:
+        assert np.abs(w.astype(np.int32)).max() == bench_kernels.W_MAX == 63
+        assert 2 * 255 * bench_kernels.W_MAX <= np.iinfo(np.int16).max
+
+
 def test_bad_input_is_one_line(capsys):
     for argv in (["--rows", "a"], ["--rows", "1,,2"], ["--rows", "3,1"], ["--rows", "2,4"], ["--rounds", "0"],
                  ["--k", "0"], ["--layers", "0"], ["--k", "256", "--n", "128"]):
