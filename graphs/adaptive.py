@@ -30,7 +30,15 @@ drafted steps keep paying), so text that becomes predictable again gets its tree
 longer the farther drafting is from paying (:meth:`Planner._probe_due`): each row's ceiling (the
 tokens a cut tree emits with every draft accepted) bounds what a probe can find, and where even
 that cannot pay for a drafted step (a weak drafter, or one too costly for its base on this machine)
-the wait is ``max_probe_every`` from the first plain decision on. A plain
+the wait is ``max_probe_every`` from the first plain decision on. While the batch drafts trees cut
+below their full size, the full trees are verified once every ``widen_every`` drafted steps: a cut
+tree observes only the sizes up to its cut, so without them a request whose first trees accepted
+little kept its small trees for good.
+
+Costs are what the machine measured, never guessed: a call shape's first measurement (cold: the
+session allocates, pages fault in) is replaced by its second, and the policy takes plain steps until
+a plain step's cost is known warm; after that plain steps are measured only where the policy takes
+them (the estimate is the last plain stretch's while drafting pays). A plain
 decision holds until that probe (``plain_recheck_every``): the engine runs such stretches as plain
 runs, as it runs autoregressive decoding. (The wait is each engine's: carried across a decoder's
 engines, a few probes lost to noise kept the 19M model plain for whole benchmark runs.)
@@ -83,6 +91,11 @@ class AdaptiveConfig:
     probe decides again). Each decision ends the engine's run of plain steps: on the 0.9M demo with
     drafting made never to pay (``generate`` per prompt, four probes per 96-token request either way),
     8 ran at 0.79-0.81x autoregressive, None at 0.82-0.86x."""
+    widen_every: int = 16
+    """While the batch drafts trees cut below their full size, the full trees are verified once
+    every this many drafted steps (a probe): a cut tree tells nothing about the sizes past it, so
+    without one the gains there stayed what the first full trees saw (a first tree that accepted
+    nothing kept a request at 2 nodes for good, where 8 paid)."""
     fast_margin: float = 1.25
     """Full trees predicted at least this many times a plain step's tokens/s are kept for
     ``recheck_every`` drafted steps without deciding or updating gains (a wholly rejected draft ends
@@ -92,7 +105,7 @@ class AdaptiveConfig:
 
     def __post_init__(self):
         if (not 0 < self.ema <= 1 or self.margin <= 0 or not 1 <= self.probe_every <= self.max_probe_every
-                or self.recheck_every < 1
+                or self.recheck_every < 1 or self.widen_every < 1
                 or (self.plain_recheck_every is not None and self.plain_recheck_every < 1)):
             raise ValueError(f"AdaptiveConfig: bad values {self}")
 
@@ -284,6 +297,10 @@ class Costs:
         all per row, so it is kept by batch rows like the graph calls)."""
         self._avg("host_spec" if drafted else "host_plain", int(rows), float(seconds))
 
+    def warm(self, name: str) -> bool:
+        """Table ``name`` holds a measurement past a call shape's first (cold) one."""
+        return any((name, k) not in self._once for k in getattr(self, name))
+
     def host_cost(self, drafted: bool, rows) -> float:
         """Estimated host seconds of a step over ``rows`` (0 until measured)."""
         table = self.host_spec if drafted else self.host_plain
@@ -339,6 +356,7 @@ class Planner:
         self.cfg = cfg or AdaptiveConfig()
         self.costs = costs if costs is not None else Costs(self.cfg.ema)
         self.plain_run = 0  # plain steps in a row while adaptive rows were live
+        self.cut_run = 0  # drafted steps in a row at a width below the widest tree
         self.wait = self.cfg.probe_every
         self.due = self.wait  # plain steps before the next probe: the wait, or longer where drafting is far from paying
         self.probing = False  # the last step was a probe
@@ -441,7 +459,7 @@ class Planner:
             return w_max
         if w_min == 1 and not self._measured_plain():
             self.probing = False
-            return 1  # one plain step to learn what not speculating costs
+            return 1  # plain steps to learn what not speculating costs (the first is cold)
         # tokens(W) for every W in w_min..w_max: adaptive rows at min(W, T_b), on rows at T_b, others 1
         # (summed in the order the numpy version summed, row by row then the plain rows, so that
         # ties between widths break as they did, to the last bit)
@@ -473,8 +491,13 @@ class Planner:
                 self.wait = self.cfg.probe_every  # drafted steps in a row, still paying
             self.plain_run, self.due = 0, self.wait
             self._clear = best == w_max and top >= self.cfg.fast_margin * plain
+            self.cut_run = self.cut_run + 1 if best < w_max else 0
+            if self.cut_run > self.cfg.widen_every:  # probe: the full trees, to learn the sizes past the cut
+                self.cut_run, self.probing = 0, True
+                return w_max
             return best
         self.plain_run += 1
+        self.cut_run = 0
         self.due = self._probe_due(modes, full, gains, ceilings, w_max, n_off, plain)
         if self.plain_run > self.due:  # probe: full trees for all, to measure the gains again
             self.plain_run, self.probing = 0, True
@@ -541,4 +564,8 @@ class Planner:
         self._fast_left = 0
 
     def _measured_plain(self) -> bool:
-        return bool(self.costs.host_plain)
+        """A plain step's cost is known warm: measured twice for some batch rows (the first was cold;
+        on the 0.9M demo a lone first plain step measured 0.50 ms of graph and 0.59 ms of host where
+        a plain step costs 0.3 ms in all, and the policy, which measures plain steps only when it
+        takes them, then drafted every step at 0.62-0.68x autoregressive)."""
+        return self.costs.warm("host_plain")

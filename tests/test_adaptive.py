@@ -83,8 +83,9 @@ def _run(planner: Planner, t: int, steps: int, gain_of, cost_of, draft: float, r
 
 def test_speculates_when_it_pays():
     sizes = _run(Planner(), 6, 30, gain_of=lambda i: 5, cost_of=lambda n: 1.0 + 0.05 * n, draft=0.2)
-    assert sizes[0] == 6 and sizes[1] == 1  # a full tree, then one plain step to measure its cost
-    assert all(s > 1 for s in sizes[2:])
+    # a full tree, then plain steps to measure their cost (the first is cold: the second counts)
+    assert sizes[0] == 6 and sizes[1] == sizes[2] == 1
+    assert all(s > 1 for s in sizes[3:])
 
 
 def test_falls_back_to_plain_steps_and_probes_less_and_less():
@@ -104,9 +105,26 @@ def test_grows_back_when_the_text_becomes_predictable():
 
 
 def test_picks_a_smaller_tree_when_the_tail_does_not_pay():
-    """Acceptance stops at 3 tokens while each node costs a lot: a 3-node tree is the best buy."""
-    sizes = _run(Planner(), 6, 20, gain_of=lambda i: 3, cost_of=lambda n: 1.0 + 0.3 * (n - 1), draft=0.1)
-    assert sizes[-1] == 3
+    """Acceptance stops at 3 tokens while each node costs a lot: a 3-node tree is the best buy, with
+    the full tree once every widen_every + 1 drafted steps to learn the sizes past the cut."""
+    sizes = _run(Planner(), 6, 40, gain_of=lambda i: 3, cost_of=lambda n: 1.0 + 0.3 * (n - 1), draft=0.1)
+    assert sizes[:3] == [6, 1, 1] and sizes[-1] == 3
+    wide = [i for i in range(3, 40) if sizes[i] == 6]
+    assert wide == [19, 36] and all(sizes[i] == 3 for i in range(3, 40) if i not in wide)
+
+
+def test_a_tree_cut_early_grows_back_through_the_wide_probes():
+    """The first trees accept 2 tokens, so the policy cuts them to 2 nodes; then the chain accepts 7
+    of 8 every step. A cut tree never sees the sizes past it: without the full trees every
+    widen_every drafted steps the width stays 2 for good; with them it grows to the full chain."""
+    def run(widen):
+        return _run(Planner(AdaptiveConfig(widen_every=widen)), 8, 80, gain_of=lambda i: 2 if i < 8 else 7,
+                    cost_of=lambda n: 1.0 + 0.02 * n, draft=0.05)
+
+    sizes = run(16)
+    assert sizes[:3] == [8, 1, 1] and set(sizes[3:19]) == {2} and sizes[19] == 8  # cut, then the wide probe
+    assert all(s >= 7 for s in sizes[-10:])
+    assert set(run(10**6)[3:]) == {2}  # never widened: stuck at the first trees' cut
 
 
 def test_trees_shrink_smoothly_as_the_batch_grows():
@@ -132,6 +150,7 @@ def test_on_and_off_rows_keep_their_setting():
     p.costs.add_verify(40, 100.0)  # wide calls are ruinous: adaptive alone would go plain
     p.costs.add_draft(4, 0.1)
     p.costs.add_host(False, 0.0)
+    p.costs.add_host(False, 0.0)  # (twice: a shape's first measurement is cold)
     p.costs.add_host(True, 0.0)
     modes = np.array([SPEC_ON, SPEC_OFF, IDLE, SPEC_ADAPTIVE])
     full = np.array([3, 1, 1, 8])
@@ -148,6 +167,7 @@ def _priced(verify: dict, draft: float = 0.0, rows: int = 1, host_plain: float =
         p.costs.add_verify(tokens, t)
     p.costs.add_draft(rows, draft)
     p.costs.add_host(False, host_plain, rows)
+    p.costs.add_host(False, host_plain, rows)  # (twice: a shape's first measurement is cold)
     p.costs.add_host(True, host_spec, rows)
     return p
 

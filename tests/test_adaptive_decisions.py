@@ -42,6 +42,7 @@ def _planner(verify: dict, draft: float = 0.0, rows: int = 1, host_plain: float 
         p.costs.add_verify(tokens, t)
     p.costs.add_draft(rows, draft)
     p.costs.add_host(False, host_plain, rows)
+    p.costs.add_host(False, host_plain, rows)  # (twice: a shape's first measurement is cold)
     p.costs.add_host(True, host_spec, rows)
     return p
 
@@ -66,7 +67,7 @@ class Counted:
 
 @pytest.mark.parametrize("kw", [dict(ema=0.0), dict(ema=1.0001), dict(margin=0.0), dict(margin=-1.0),
                                 dict(probe_every=0), dict(probe_every=5, max_probe_every=4), dict(recheck_every=0),
-                                dict(plain_recheck_every=0)])
+                                dict(plain_recheck_every=0), dict(widen_every=0)])
 def test_config_refuses_values_past_its_bounds(kw):
     with pytest.raises(ValueError):
         AdaptiveConfig(**kw)
@@ -82,7 +83,7 @@ def test_config_accepts_values_at_its_bounds(kw):
 def test_config_defaults_are_the_documented_ones():
     c = AdaptiveConfig()
     assert (c.ema, c.margin, c.probe_every, c.max_probe_every, c.recheck_every, c.plain_recheck_every,
-            c.fast_margin) == (0.15, 1.05, 4, 64, 8, None, 1.25)
+            c.fast_margin, c.widen_every) == (0.15, 1.05, 4, 64, 8, None, 1.25, 16)
     assert Costs().ema == 0.15 and RowGains(3).ema == 0.15
 
 
@@ -319,7 +320,7 @@ def test_adaptive_rows_without_a_tree_to_cut_are_not_a_plain_run():
     assert p.plain_run == 0 and not p.probing
 
 
-def test_first_a_drafted_step_then_one_plain_step_to_measure():
+def test_first_a_drafted_step_then_plain_steps_to_measure():
     p = Planner()
     modes, full, g = *_adaptive(2, 4), [np.arange(1.0, 5.0)] * 2
     assert p.plan(modes, full, g).tolist() == [4, 4]  # nothing drafted yet: the full trees
@@ -327,6 +328,9 @@ def test_first_a_drafted_step_then_one_plain_step_to_measure():
     p.costs.add_verify(8, 0.1)
     p.probing = True
     assert p.plan(modes, full, g).tolist() == [1, 1] and not p.probing  # no plain step measured yet
+    p.costs.add_host(False, 0.0, 2)
+    p.costs.add_verify(2, 1.0)
+    assert p.plan(modes, full, g).tolist() == [1, 1]  # measured once: cold, one more
     p.costs.add_host(False, 0.0, 2)
     p.costs.add_verify(2, 1.0)
     assert p.plan(modes, full, g).tolist() == [4, 4]

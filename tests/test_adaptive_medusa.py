@@ -78,6 +78,7 @@ def _costs(p: Planner, verify: dict, draft: float, host_plain: float, host_spec:
         p.costs.add_verify(tokens, t)
     p.costs.add_draft(1, draft)
     p.costs.add_host(False, host_plain)
+    p.costs.add_host(False, host_plain)  # (twice: a shape's first measurement is cold)
     p.costs.add_host(True, host_spec)
     return p
 
