@@ -807,3 +807,23 @@ def test_a_plain_run_ends_at_an_interrupt_a_waiting_deadline_or_a_new_watcher(ex
 
     delay[0] = 0.005
     asyncio.run(arrive())
+
+
+def test_the_adaptive_benchmark_decodes_the_same_tokens_both_ways(exports, tmp_path):
+    """samples/bench_adaptive.py (the docs' adaptive-on-the-demo figures): both modes timed every
+    round, and greedy adaptive decodes exactly the tokens plain decoding does."""
+    import json
+
+    from conftest import run_module
+
+    out = tmp_path / "a.json"
+    r = run_module("samples.bench_adaptive", exports["one-sequence"], "--repeats", "1", "--max-new-tokens", "12",
+                   "--threads", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["same_tokens"] is True and len(report["adaptive_over_off"]) == 2
+    assert all(len(v) == 2 and min(v) > 0 for v in report["tok_s"].values())
+    assert report["mean_accepted_length"]["off"] == [1.0, 1.0]
+    assert r.stdout.splitlines()[-1].startswith("adaptive / off: ") and r.stdout.rstrip().endswith("same tokens")
+    bad = run_module("samples.bench_adaptive", str(tmp_path / "missing"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and bad.stderr.startswith("error: ")
