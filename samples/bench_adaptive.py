@@ -37,11 +37,11 @@ def measure(out: str, repeats: int, max_new_tokens: int, rounds: int, threads: i
                     n += len(r.token_ids)
                     acc.append(r.stats.mean_accepted_length)
                     toks.append(list(r.token_ids))
-            rate = n / (time.perf_counter() - t0)
+            rate, tau = n / (time.perf_counter() - t0), sum(acc) / len(acc)
             report["tok_s"][mode].append(rate)
-            report["mean_accepted_length"][mode].append(sum(acc) / len(acc))
+            report["mean_accepted_length"][mode].append(tau)
             tokens.setdefault(mode, toks)
-            log(f"round {rnd + 1} {mode}: {rate:.0f} tok/s, tau {acc and sum(acc) / len(acc):.2f}", flush=True)
+            log(f"round {rnd + 1} {mode}: {rate:.0f} tok/s, tau {tau:.2f}", flush=True)
     report["adaptive_over_off"] = [a / o for a, o in zip(report["tok_s"]["adaptive"], report["tok_s"]["off"])]
     report["same_tokens"] = tokens["off"] == tokens["adaptive"]
     log("adaptive / off: " + ", ".join(f"{x:.2f}x" for x in report["adaptive_over_off"])
