@@ -172,6 +172,9 @@ class Engine:
         else:
             self.proposer = self.plain
         self.planner = planner or decoder.new_planner()
+        # the last decode step drafted: a drafted step after a plain one or a prefill runs cold (its
+        # costs are not folded into the planner's, graphs.adaptive.Costs)
+        self._drafted_last = False
         self.totals = Stats()  # every step of this engine (a batch's stats for generate)
         self._rows: list[Request] = []  # occupied rows, index = slot
         self._waiting: deque[Request] = deque()
@@ -341,6 +344,7 @@ class Engine:
         """Prompt chunks within the step's token budget, one base call per contiguous run of rows."""
         if all(r.state != PREFILL for r in self._rows):
             return []
+        self._drafted_last = False  # a prefill call between drafted steps: the next one is cold
         cfg = self.config
         decoding = sum(r.state == DECODING for r in self._rows)
         budget = max(cfg.step_tokens - decoding * self.planner.last_width, cfg.prefill_chunk)
@@ -448,9 +452,11 @@ class Engine:
         self.kv.commit(self.dec.presents(out), idx, np.array(counts, dtype=np.int64))
         self.proposer.advance(live, out, accepted, bonus, cands, sizes)
         # costs and gains (the planner), statistics, emitted tokens
-        self.planner.costs.add_verify(n * width, t_verify)
+        cold = drafted and not self._drafted_last
+        self._drafted_last = drafted
+        self.planner.costs.add_verify(n * width, t_verify, cold)
         if drafted:
-            self.planner.costs.add_draft(n, t_draft)
+            self.planner.costs.add_draft(n, t_draft, cold)
         tot = self._count_step(drafted, t_verify, t_draft, calls)
         events = []
         watchers = self.dec.watchers()
@@ -482,7 +488,7 @@ class Engine:
             if ev is not None:
                 events.append(ev)
         host = time.perf_counter() - t_start - t_verify - t_draft
-        self.planner.costs.add_host(drafted, host, n)
+        self.planner.costs.add_host(drafted, host, n, cold)
         return events
 
     def _plain_step(self, live: list, t_start: float, most: int = 1) -> list | None:
@@ -529,6 +535,8 @@ class Engine:
             out = call.step(roots, lens) if not steps else call.again()
             t1 = time.perf_counter()
             t_verify += t1 - t0
+            if not steps:
+                t_first = t1 - t0
             try:
                 if greedy:
                     row = call.greedy().tolist()
@@ -560,9 +568,16 @@ class Engine:
                 break
             if adaptive:
                 self.planner.planned_plain()  # the next step is one the policy already decided
+        # right after a drafted step the first plain call is cold (graphs.adaptive.Costs): measured
+        # by the run's other steps, or not folded in where it ran alone
+        cold = self._drafted_last
+        self._drafted_last = False
         self.kv.keep_new(counts * steps)  # each decoding row keeps the column each step wrote
         toks = [[r[b] for r in got] for b in range(n)]
-        self.planner.costs.add_verify(n, t_verify / steps)
+        if cold and steps > 1:
+            self.planner.costs.add_verify(n, (t_verify - t_first) / (steps - 1))
+        else:
+            self.planner.costs.add_verify(n, t_verify / steps, cold)
         self._count_step(False, t_verify, 0.0, 0, steps)
         events = []
         for b, req in enumerate(live):
@@ -577,7 +592,7 @@ class Engine:
                                   said[b][-1].finish_reason, said[b][-1].stats)
             if ev is not None:
                 events.append(ev)
-        self.planner.costs.add_host(False, (time.perf_counter() - t_start - t_verify) / steps, n)
+        self.planner.costs.add_host(False, (time.perf_counter() - t_start - t_verify) / steps, n, cold and steps == 1)
         return events
 
     def _plain_tokens(self, live: list, logits: np.ndarray, roots: list, tree, by_token: list, said: list):

@@ -83,13 +83,14 @@ def _run(planner: Planner, t: int, steps: int, gain_of, cost_of, draft: float, r
 
 def test_speculates_when_it_pays():
     sizes = _run(Planner(), 6, 30, gain_of=lambda i: 5, cost_of=lambda n: 1.0 + 0.05 * n, draft=0.2)
-    # a full tree, then plain steps to measure their cost (the first is cold: the second counts)
-    assert sizes[0] == 6 and sizes[1] == sizes[2] == 1
-    assert all(s > 1 for s in sizes[3:])
+    # a probe of the full trees (probe_steps drafted steps in a row: the first is cold), then plain
+    # steps to measure their cost (the first is cold: the second counts)
+    assert sizes[:5] == [6, 6, 6, 1, 1]
+    assert all(s > 1 for s in sizes[5:])
 
 
 def test_falls_back_to_plain_steps_and_probes_less_and_less():
-    p = Planner(AdaptiveConfig(probe_every=2, max_probe_every=8))
+    p = Planner(AdaptiveConfig(probe_every=2, max_probe_every=8, probe_steps=1))  # one-step probes: the gaps
     sizes = _run(p, 6, 60, gain_of=lambda i: 1, cost_of=lambda n: 1.0 + 0.1 * n, draft=0.5)
     assert sizes.count(1) > 45
     probes = [i for i, s in enumerate(sizes) if s > 1][1:]
@@ -107,7 +108,8 @@ def test_grows_back_when_the_text_becomes_predictable():
 def test_picks_a_smaller_tree_when_the_tail_does_not_pay():
     """Acceptance stops at 3 tokens while each node costs a lot: a 3-node tree is the best buy, with
     the full tree once every widen_every + 1 drafted steps to learn the sizes past the cut."""
-    sizes = _run(Planner(), 6, 40, gain_of=lambda i: 3, cost_of=lambda n: 1.0 + 0.3 * (n - 1), draft=0.1)
+    sizes = _run(Planner(AdaptiveConfig(probe_steps=1)), 6, 40, gain_of=lambda i: 3,
+                 cost_of=lambda n: 1.0 + 0.3 * (n - 1), draft=0.1)
     assert sizes[:3] == [6, 1, 1] and sizes[-1] == 3
     wide = [i for i in range(3, 40) if sizes[i] == 6]
     assert wide == [19, 36] and all(sizes[i] == 3 for i in range(3, 40) if i not in wide)
@@ -118,7 +120,7 @@ def test_a_tree_cut_early_grows_back_through_the_wide_probes():
     of 8 every step. A cut tree never sees the sizes past it: without the full trees every
     widen_every drafted steps the width stays 2 for good; with them it grows to the full chain."""
     def run(widen):
-        return _run(Planner(AdaptiveConfig(widen_every=widen)), 8, 80, gain_of=lambda i: 2 if i < 8 else 7,
+        return _run(Planner(AdaptiveConfig(widen_every=widen, probe_steps=1)), 8, 80, gain_of=lambda i: 2 if i < 8 else 7,
                     cost_of=lambda n: 1.0 + 0.02 * n, draft=0.05)
 
     sizes = run(16)
@@ -135,7 +137,7 @@ def test_trees_shrink_smoothly_as_the_batch_grows():
 
     last = []
     for rows in (1, 2, 3, 4, 8, 16):  # accepted chains of 1..6 tokens, in turn
-        last.append(_run(Planner(AdaptiveConfig(max_probe_every=1000)), 8, 60, gain_of=lambda i: i % 6 + 1,
+        last.append(_run(Planner(AdaptiveConfig(max_probe_every=1000, probe_steps=1)), 8, 60, gain_of=lambda i: i % 6 + 1,
                          cost_of=cost, draft=0.05, rows=rows)[-1])
     assert last[0] >= 4 and last[-1] == 1
     assert all(a >= b for a, b in itertools.pairwise(last))  # never wider with more load
@@ -197,7 +199,7 @@ def test_the_margin_boundary_for_a_batch(rows):
 @pytest.mark.parametrize("wait", [2, 5])
 def test_a_probe_comes_right_after_the_wait(wait):
     """plain_run counts plain decisions; at plain_run == wait the step is still plain, the next probes."""
-    p = _priced({1: 1.0, 3: 3.0}, draft=1.0, cfg=AdaptiveConfig(probe_every=wait, max_probe_every=64))
+    p = _priced({1: 1.0, 3: 3.0}, draft=1.0, cfg=AdaptiveConfig(probe_every=wait, max_probe_every=64, probe_steps=1))
     modes, full, g = np.array([SPEC_ADAPTIVE]), np.array([3]), [np.array([1.0, 1.0, 1.0])]
     widths = [int(p.plan(modes, full, g)[0]) for _ in range(wait + 1)]
     assert widths == [1] * wait + [3] and p.probing

@@ -36,7 +36,7 @@ from graphs.trees import HEAD_DECAY, RANK_DECAY, TOP1, Tree, medusa_tree
 
 def _planner(verify: dict, draft: float = 0.0, rows: int = 1, host_plain: float = 0.0, host_spec: float = 0.0,
              **cfg) -> Planner:
-    cfg = {"probe_every": 64, "max_probe_every": 64, **cfg}
+    cfg = {"probe_every": 64, "max_probe_every": 64, "probe_steps": 1, **cfg}  # one-step probes: the waits
     p = Planner(AdaptiveConfig(**cfg))
     for tokens, t in verify.items():
         p.costs.add_verify(tokens, t)
@@ -320,13 +320,13 @@ def test_adaptive_rows_without_a_tree_to_cut_are_not_a_plain_run():
     assert p.plain_run == 0 and not p.probing
 
 
-def test_first_a_drafted_step_then_plain_steps_to_measure():
+def test_first_a_drafted_probe_then_plain_steps_to_measure():
     p = Planner()
     modes, full, g = *_adaptive(2, 4), [np.arange(1.0, 5.0)] * 2
-    assert p.plan(modes, full, g).tolist() == [4, 4]  # nothing drafted yet: the full trees
-    p.costs.add_draft(2, 0.1)
-    p.costs.add_verify(8, 0.1)
-    p.probing = True
+    for _ in range(p.cfg.probe_steps):  # nothing drafted yet: the full trees, probe_steps in a row
+        assert p.plan(modes, full, g).tolist() == [4, 4] and p.probing
+        p.costs.add_draft(2, 0.1)
+        p.costs.add_verify(8, 0.1)
     assert p.plan(modes, full, g).tolist() == [1, 1] and not p.probing  # no plain step measured yet
     p.costs.add_host(False, 0.0, 2)
     p.costs.add_verify(2, 1.0)

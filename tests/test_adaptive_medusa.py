@@ -111,7 +111,8 @@ def test_long_run_prior_is_the_mean_of_every_observation():
 
 
 def test_a_lucky_probe_halves_the_wait_instead_of_resetting_it():
-    p = _costs(Planner(AdaptiveConfig(probe_every=2, max_probe_every=64)), {1: 1.0, 3: 1.0}, 0.2, 0.0, 0.0)
+    p = _costs(Planner(AdaptiveConfig(probe_every=2, max_probe_every=64, probe_steps=1)), {1: 1.0, 3: 1.0}, 0.2,
+               0.0, 0.0)
     p.wait, p.plain_run = 32, 32
     modes, full = np.array([SPEC_ADAPTIVE]), np.array([3])
     assert int(p.plan(modes, full, [np.ones(3)])[0]) == 3 and p.probing  # past the wait: a probe
