@@ -92,9 +92,10 @@ class AdaptiveConfig:
     drafting made never to pay (``generate`` per prompt, four probes per 96-token request either way),
     8 ran at 0.79-0.81x autoregressive, None at 0.82-0.86x."""
     probe_steps: int = 3
-    """A probe verifies the full trees for this many drafted steps in a row: the first, right after
-    plain steps, is cold (:class:`Costs`: its costs are not folded in), the ones after it measure
-    what drafting costs while the policy drafts."""
+    """A probe after plain steps verifies the full trees for this many drafted steps in a row: the
+    first is cold (:class:`Costs`: its costs are not folded in), the ones after it measure what
+    drafting costs while the policy drafts. (A probe among drafted steps, ``widen_every``'s, is one
+    step: it is not cold.)"""
     widen_every: int = 16
     """While the batch drafts trees cut below their full size, the full trees are verified once
     every this many drafted steps (a probe): a cut tree tells nothing about the sizes past it, so
@@ -264,8 +265,11 @@ class Costs:
     """Seconds per call on this machine: base forwards by token rows, drafting by batch rows, host.
 
     A measurement marked ``cold`` (the engine marks a drafted step that follows a plain step or a
-    prefill) only fills a table's empty entry: such a step runs the verify, the drafter and the tree
-    handling after a stretch of other calls, and costs what it would not in a row of drafted steps.
+    prefill) is kept only where its table is empty: such a step runs the verify, the drafter and the
+    tree handling after a stretch of other calls, and costs what it would not in a row of drafted
+    steps (nor does it fill a missing size of a table that has others: interpolated between warm
+    sizes, a size is closer than cold, and the estimate's running maximum would carry a cold small
+    size onto every larger one).
     Measured on the 19M int4 model (Medusa, a 3-node chain): a probe among plain steps cost 0.95 ms
     of verify, 0.16 of drafter and 0.35 of host, drafted steps in a row 0.65-0.70, 0.05-0.06 and
     0.08; folded in, the probes' costs kept the policy plain (tau 1.03, 0.97x autoregressive) where
@@ -288,8 +292,8 @@ class Costs:
     def _avg(self, name: str, key: int, value: float, cold: bool = False) -> None:
         table = getattr(self, name)
         old = table.get(key)
-        if cold and old is not None:
-            return  # a call right after a switch (Costs doc): what it costs is not what it costs in a row
+        if cold and table:
+            return  # a call right after a switch (class doc): what it costs is not what it costs in a row
         if old is None:
             table[key] = value
             self._once.add((name, key))
@@ -453,7 +457,7 @@ class Planner:
             width = self._width(modes, full, gains() if callable(gains) else gains,
                                 ceilings() if callable(ceilings) else ceilings)
             self._reuse, self._fast_left, self._probe_left, self._reused_for = 0, 0, 0, None
-            if width > 1 and self.probing and self.cfg.probe_steps > 1:
+            if width > 1 and self.probing and self.last_width == 1 and self.cfg.probe_steps > 1:  # (after plain)
                 self._probe_left, self._reused_for = self.cfg.probe_steps - 1, key
             elif width == 1 and SPEC_ADAPTIVE in modes and self.plain_run > 0:
                 every = self.cfg.plain_recheck_every or self.cfg.max_probe_every  # (None: the probe ends it)

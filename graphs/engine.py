@@ -452,7 +452,7 @@ class Engine:
         self.kv.commit(self.dec.presents(out), idx, np.array(counts, dtype=np.int64))
         self.proposer.advance(live, out, accepted, bonus, cands, sizes)
         # costs and gains (the planner), statistics, emitted tokens
-        cold = drafted and not self._drafted_last
+        cold = drafted != self._drafted_last  # the first step after a switch (a prefill ends a drafted run)
         self._drafted_last = drafted
         self.planner.costs.add_verify(n * width, t_verify, cold)
         if drafted:

@@ -653,3 +653,68 @@ def test_a_tie_between_widths_goes_to_the_narrower():
     p.costs.verify = {1: 0.6 * c, 2: c, 3: c}  # 2 and 3 token rows measured at the same cost
     p.costs.draft, p.costs.host_plain, p.costs.host_spec = {1: 1e-4}, {1: 1e-5}, {1: 1e-5}
     assert p.plan(np.array([SPEC_ADAPTIVE]), np.array([4]), [np.array([1.0, 2.0, 2.0, 2.0])]).tolist() == [2]
+
+
+# ----------------------------------------------------------------------------- cold steps and probe bursts
+
+
+def test_a_cold_measurement_only_fills_an_empty_entry():
+    c = Costs()
+    c.add_verify(4, 3.0, cold=True)  # nothing known: a cold measurement is better than none
+    assert c.verify == {4: 3.0}
+    c.add_verify(4, 1.0)  # the next warm one replaces it (a shape's first measurement)
+    c.add_verify(4, 9.0, cold=True)  # a cold one after it moves nothing
+    c.add_verify(2, 9.0, cold=True)  # nor fills another size (the estimate's running maximum would
+    assert c.verify_cost(4) == 1.0  # carry 9.0 onto size 4)
+    c.add_draft(1, 0.5)
+    c.add_draft(1, 0.1)
+    c.add_draft(1, 7.0, cold=True)
+    c.add_host(True, 0.2, 1)
+    c.add_host(True, 0.2, 1)
+    c.add_host(True, 5.0, 1, cold=True)
+    assert c.verify == {4: 1.0} and c.draft == {1: 0.1} and c.host_spec == {1: 0.2}
+    c.add_verify(4, 2.0)  # warm ones average in as before
+    assert c.verify[4] == pytest.approx(0.85 * 1.0 + 0.15 * 2.0)
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_a_probe_drafts_probe_steps_in_a_row_then_decides(steps):
+    p = _losing(probe_every=2, max_probe_every=64, probe_steps=steps)
+    widths = [int(p.plan(*ONE, LOSE)[0]) for _ in range(2 + steps)]
+    assert widths == [1, 1] + [3] * steps  # the wait, then the burst
+    assert int(p.plan(*ONE, LOSE)[0]) == 1 and p.wait == 4 and not p.probing  # lost: decided once, after it
+    g = Counted(LOSE)
+    p = _losing(probe_every=2, max_probe_every=64, probe_steps=steps)
+    for _ in range(2 + steps):
+        p.plan(*ONE, g)
+    assert g.calls == 2  # a plain decision (held until the probe), the probe's: its later steps reuse it
+
+
+def _drive(planner: Planner, steps: int, mark_cold: bool, t: int = 4, accepted: int = 3) -> list[int]:
+    """A machine where a drafted step costs 1.5 in a row but 4.0 right after a plain step (plain: 1.0),
+    and every tree accepts ``accepted`` tokens: drafting pays 2x while it lasts, a lone probe loses."""
+    chain = Tree.from_parents(list(range(-1, t - 1)), score=-np.arange(t, dtype=float))
+    gains, modes, full = RowGains(t), np.array([SPEC_ADAPTIVE]), np.array([t])
+    widths, last = [], False
+    for _ in range(steps):
+        w = int(planner.plan(modes, full, [gains.predicted()])[0])
+        drafted = w > 1
+        cold = drafted and not last and mark_cold
+        planner.costs.add_verify(w, (1.5 if last else 4.0) if drafted else 1.0, cold)
+        planner.costs.add_host(drafted, 0.0, 1, cold)
+        if drafted:
+            planner.costs.add_draft(1, 0.0, cold)
+            gains.observe(sub_tree(chain, cut_tree(chain, w)), list(range(min(accepted, w))))
+        widths.append(w)
+        last = drafted
+    return widths
+
+
+def test_cold_probes_do_not_keep_the_policy_plain():
+    """Measured on the 19M int4 model: probes among plain steps cost 1.5x what drafted steps in a row
+    do, and the policy, folding them in, stayed plain (tau 1.03) where drafting paid 1.2-1.35x. With
+    the cold steps left out and probes of probe_steps, it drafts; as it did, it stays plain."""
+    new = _drive(Planner(), 200, mark_cold=True)
+    old = _drive(Planner(AdaptiveConfig(probe_steps=1)), 200, mark_cold=False)
+    assert sum(w > 1 for w in new[20:]) == 180  # drafting from the first decision on
+    assert sum(w > 1 for w in old[20:]) < 20  # a probe now and then, each one cold and lost

@@ -245,3 +245,42 @@ def test_forced_switching_keeps_the_base_distribution(setup, monkeypatch, kind, 
     stat, dof, p = chi_square(counts, exact_joint(base))
     print(f"\n{kind} adaptive (forced): chi2 {stat:.1f} dof {dof} p {p:.3g} tau {np.mean(taus):.2f}")
     assert p > P_MIN
+
+
+class Pairs(Planner):
+    """Two drafted steps (the full trees), then two plain ones, over and over."""
+
+    def plan(self, modes, full, gains, ceilings=None):
+        drafted = len(self.history) % 4 < 2
+        sizes = np.where(modes == IDLE, 0, np.where(modes == SPEC_OFF, 1, full if drafted else 1))
+        self.history.append(int(sizes.max()))
+        self.last_width = int(sizes.max())
+        return sizes
+
+
+def test_the_engine_marks_steps_right_after_a_switch_cold(trained, monkeypatch):  # noqa: F811
+    """A drafted step after a plain step or the prefill, and a lone plain step after a drafted one,
+    reach the costs as cold (graphs.adaptive.Costs); the steps after them as warm."""
+    import graphs
+
+    dec = graphs.load(trained("medusa").out_dir, provider="cpu", threads=1)
+    monkeypatch.setattr(dec, "new_planner", lambda: Pairs(costs=dec.costs))
+    seen = {"draft": [], "host": []}
+    add_draft, add_host = dec.costs.add_draft, dec.costs.add_host
+
+    def draft(rows, seconds, cold=False):
+        seen["draft"].append(cold)
+        add_draft(rows, seconds, cold)
+
+    def host(drafted, seconds, rows=1, cold=False):
+        seen["host"].append((drafted, cold))
+        add_host(drafted, seconds, rows, cold)
+
+    monkeypatch.setattr(dec.costs, "add_draft", draft)
+    monkeypatch.setattr(dec.costs, "add_host", host)
+    res = dec.generate(PROMPTS[0], max_new_tokens=24)
+    steps = res.stats.speculative_steps
+    assert steps >= 4 and seen["draft"] == [True, False] * (steps // 2) + [True] * (steps % 2)
+    # each decode step's host record: drafted steps cold, warm; plain steps (runs of one) cold, warm
+    want = [(True, True), (True, False), (False, True), (False, False)]
+    assert seen["host"] == [want[i % 4] for i in range(len(seen["host"]))]

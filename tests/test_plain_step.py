@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from exporter.optimize import optimize_export
+import graphs
 from graphs import contract as C
+from graphs.adaptive import Planner
 from graphs.sessions import BoundCall
 from graphs.slots import SlotCache
 
@@ -827,3 +829,44 @@ def test_the_adaptive_benchmark_decodes_the_same_tokens_both_ways(exports, tmp_p
     assert r.stdout.splitlines()[-1].startswith("adaptive / off: ") and r.stdout.rstrip().endswith("same tokens")
     bad = run_module("samples.bench_adaptive", str(tmp_path / "missing"))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and bad.stderr.startswith("error: ")
+
+
+class _DraftDraftPlain(Planner):
+    """Two drafted steps (the full trees), then a plain decision whose run is ``1 + ahead`` steps."""
+
+    def __init__(self, ahead: int, **kw):
+        super().__init__(**kw)
+        self.ahead, self.decisions = ahead, 0
+
+    def plan(self, modes, full, gains, ceilings=None):
+        drafted = self.decisions % 3 < 2
+        self.decisions += 1
+        sizes = np.where(modes == 0, 0, full if drafted else 1)
+        self.history.append(int(sizes.max()))
+        self.last_width = int(sizes.max())
+        return sizes
+
+    def plain_ahead(self) -> int:
+        return self.ahead if self.last_width == 1 else 0
+
+    def planned_plain(self) -> None:
+        self.history.append(1)
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_a_plain_run_after_drafting_is_measured_warm_or_not_at_all(exports, monkeypatch, ahead):
+    """On the bound plain step: a run right after a drafted step measures its plain cost by its steps
+    after the first (warm), and a run of one step is cold (graphs.adaptive.Costs)."""
+    dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
+    monkeypatch.setattr(dec, "new_planner", lambda: _DraftDraftPlain(ahead, costs=dec.costs))
+    plain, add_verify = [], dec.costs.add_verify
+
+    def verify(tokens, seconds, cold=False):
+        if tokens == 1:  # plain steps' (the drafted ones verify the tree, the prefill the prompt)
+            plain.append(cold)
+        add_verify(tokens, seconds, cold)
+
+    monkeypatch.setattr(dec.costs, "add_verify", verify)
+    res = dec.generate([5, 6, 7, 8], max_new_tokens=30, mode="speculative")
+    assert res.stats.plain_steps > 2 and len(plain) >= 2
+    assert plain == [ahead == 0] * len(plain)
