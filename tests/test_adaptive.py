@@ -120,8 +120,8 @@ def test_a_tree_cut_early_grows_back_through_the_wide_probes():
     of 8 every step. A cut tree never sees the sizes past it: without the full trees every
     widen_every drafted steps the width stays 2 for good; with them it grows to the full chain."""
     def run(widen):
-        return _run(Planner(AdaptiveConfig(widen_every=widen, probe_steps=1)), 8, 80, gain_of=lambda i: 2 if i < 8 else 7,
-                    cost_of=lambda n: 1.0 + 0.02 * n, draft=0.05)
+        return _run(Planner(AdaptiveConfig(widen_every=widen, probe_steps=1)), 8, 80,
+                    gain_of=lambda i: 2 if i < 8 else 7, cost_of=lambda n: 1.0 + 0.02 * n, draft=0.05)
 
     sizes = run(16)
     assert sizes[:3] == [8, 1, 1] and set(sizes[3:19]) == {2} and sizes[19] == 8  # cut, then the wide probe
@@ -137,8 +137,8 @@ def test_trees_shrink_smoothly_as_the_batch_grows():
 
     last = []
     for rows in (1, 2, 3, 4, 8, 16):  # accepted chains of 1..6 tokens, in turn
-        last.append(_run(Planner(AdaptiveConfig(max_probe_every=1000, probe_steps=1)), 8, 60, gain_of=lambda i: i % 6 + 1,
-                         cost_of=cost, draft=0.05, rows=rows)[-1])
+        last.append(_run(Planner(AdaptiveConfig(max_probe_every=1000, probe_steps=1)), 8, 60,
+                         gain_of=lambda i: i % 6 + 1, cost_of=cost, draft=0.05, rows=rows)[-1])
     assert last[0] >= 4 and last[-1] == 1
     assert all(a >= b for a, b in itertools.pairwise(last))  # never wider with more load
     assert any(1 < w < last[0] for w in last)  # a narrower tree before plain steps: no cliff

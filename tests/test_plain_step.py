@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from exporter.optimize import optimize_export
 import graphs
+from exporter.optimize import optimize_export
 from graphs import contract as C
 from graphs.adaptive import Planner
 from graphs.sessions import BoundCall
