@@ -63,6 +63,7 @@ import numpy as np
 from graphs.trees import HEAD_DECAY, RANK_DECAY, TOP1, Tree
 
 _ROOT_ONLY = Tree.from_parents([-1])
+COLD_SKIPS = 16  # Costs: cold measurements left out in a row before one is folded in
 
 # how a row takes part in a step (Planner.plan)
 IDLE, SPEC_OFF, SPEC_ON, SPEC_ADAPTIVE = 0, 1, 2, 3
@@ -269,7 +270,9 @@ class Costs:
     tree handling after a stretch of other calls, and costs what it would not in a row of drafted
     steps (nor does it fill a missing size of a table that has others: interpolated between warm
     sizes, a size is closer than cold, and the estimate's running maximum would carry a cold small
-    size onto every larger one).
+    size onto every larger one). Where a table has had ``COLD_SKIPS`` cold measurements in a row and
+    no warm one (an engine whose every step follows a prefill chunk, under a stream of arrivals), the
+    next cold one is folded in: cold is then what its calls cost.
     Measured on the 19M int4 model (Medusa, a 3-node chain): a probe among plain steps cost 0.95 ms
     of verify, 0.16 of drafter and 0.35 of host, drafted steps in a row 0.65-0.70, 0.05-0.06 and
     0.08; folded in, the probes' costs kept the policy plain (tau 1.03, 0.97x autoregressive) where
@@ -284,6 +287,7 @@ class Costs:
         # the next 0.17. Averaged in (ema 0.15) it took a dozen calls to fade, and the policy's
         # probe wait (which grows the farther drafting is from paying) read it as drafting's cost.
         self._once: set[tuple[str, int]] = set()
+        self._skipped: dict[str, int] = {}  # table name -> cold measurements left out since its last warm one
         self.verify: dict[int, float] = {}  # token rows (batch x width) -> seconds
         self.draft: dict[int, float] = {}  # batch rows -> seconds of drafting per drafted step
         self.host_plain: dict[int, float] = {}  # batch rows -> host seconds per plain step (outside graph calls)
@@ -292,8 +296,11 @@ class Costs:
     def _avg(self, name: str, key: int, value: float, cold: bool = False) -> None:
         table = getattr(self, name)
         old = table.get(key)
-        if cold and table:
+        if cold and table and self._skipped.get(name, 0) < COLD_SKIPS:
+            self._skipped[name] = self._skipped.get(name, 0) + 1
             return  # a call right after a switch (class doc): what it costs is not what it costs in a row
+        if not cold:
+            self._skipped[name] = 0
         if old is None:
             table[key] = value
             self._once.add((name, key))
@@ -363,7 +370,7 @@ class Costs:
         c = Costs(self.ema)
         c.verify, c.draft = dict(self.verify), dict(self.draft)  # (new tables: nothing cached for them)
         c.host_plain, c.host_spec = dict(self.host_plain), dict(self.host_spec)
-        c._once = set(self._once)
+        c._once, c._skipped = set(self._once), dict(self._skipped)
         return c
 
 

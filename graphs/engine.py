@@ -172,9 +172,9 @@ class Engine:
         else:
             self.proposer = self.plain
         self.planner = planner or decoder.new_planner()
-        # the last decode step drafted: a drafted step after a plain one or a prefill runs cold (its
-        # costs are not folded into the planner's, graphs.adaptive.Costs)
-        self._drafted_last = False
+        # what the last call was ("prefill", "plain" or "drafted"): a decode step of the other kind
+        # runs cold, its costs not folded into the planner's (graphs.adaptive.Costs)
+        self._last_call = "prefill"
         self.totals = Stats()  # every step of this engine (a batch's stats for generate)
         self._rows: list[Request] = []  # occupied rows, index = slot
         self._waiting: deque[Request] = deque()
@@ -344,7 +344,7 @@ class Engine:
         """Prompt chunks within the step's token budget, one base call per contiguous run of rows."""
         if all(r.state != PREFILL for r in self._rows):
             return []
-        self._drafted_last = False  # a prefill call between drafted steps: the next one is cold
+        self._last_call = "prefill"  # the decode step after it runs cold
         cfg = self.config
         decoding = sum(r.state == DECODING for r in self._rows)
         budget = max(cfg.step_tokens - decoding * self.planner.last_width, cfg.prefill_chunk)
@@ -452,8 +452,8 @@ class Engine:
         self.kv.commit(self.dec.presents(out), idx, np.array(counts, dtype=np.int64))
         self.proposer.advance(live, out, accepted, bonus, cands, sizes)
         # costs and gains (the planner), statistics, emitted tokens
-        cold = drafted != self._drafted_last  # the first step after a switch (a prefill ends a drafted run)
-        self._drafted_last = drafted
+        kind = "drafted" if drafted else "plain"
+        cold, self._last_call = kind != self._last_call, kind  # the first step after a switch
         self.planner.costs.add_verify(n * width, t_verify, cold)
         if drafted:
             self.planner.costs.add_draft(n, t_draft, cold)
@@ -568,10 +568,9 @@ class Engine:
                 break
             if adaptive:
                 self.planner.planned_plain()  # the next step is one the policy already decided
-        # right after a drafted step the first plain call is cold (graphs.adaptive.Costs): measured
-        # by the run's other steps, or not folded in where it ran alone
-        cold = self._drafted_last
-        self._drafted_last = False
+        # right after a drafted step or a prefill the first plain call is cold (graphs.adaptive.Costs):
+        # measured by the run's other steps, or not folded in where it ran alone
+        cold, self._last_call = self._last_call != "plain", "plain"
         self.kv.keep_new(counts * steps)  # each decoding row keeps the column each step wrote
         toks = [[r[b] for r in got] for b in range(n)]
         if cold and steps > 1:

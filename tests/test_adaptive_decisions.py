@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from graphs.adaptive import (
+    COLD_SKIPS,
     IDLE,
     SPEC_ADAPTIVE,
     SPEC_OFF,
@@ -675,6 +676,24 @@ def test_a_cold_measurement_only_fills_an_empty_entry():
     assert c.verify == {4: 1.0} and c.draft == {1: 0.1} and c.host_spec == {1: 0.2}
     c.add_verify(4, 2.0)  # warm ones average in as before
     assert c.verify[4] == pytest.approx(0.85 * 1.0 + 0.15 * 2.0)
+
+
+def test_cold_measurements_count_once_nothing_else_comes():
+    """Under a stream of arrivals every decode step may follow a prefill chunk: after COLD_SKIPS cold
+    measurements in a row, the next is folded in (cold is then what the calls cost)."""
+    c = Costs()
+    c.add_verify(1, 1.0)
+    c.add_verify(1, 1.0)
+    for _ in range(COLD_SKIPS):
+        c.add_verify(1, 5.0, cold=True)
+    assert c.verify[1] == 1.0
+    c.add_verify(1, 5.0, cold=True)
+    assert c.verify[1] == pytest.approx(0.85 * 1.0 + 0.15 * 5.0)
+    c.add_verify(1, 1.0)  # a warm one starts the count again
+    before = c.verify[1]
+    c.add_verify(1, 5.0, cold=True)
+    assert c.verify[1] == before
+    assert c.copy()._skipped == c._skipped
 
 
 @pytest.mark.parametrize("steps", [1, 3, 5])

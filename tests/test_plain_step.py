@@ -695,7 +695,7 @@ def test_adaptive_plain_steps_run_in_a_row_as_the_policy_decided_them(exports):
             self.draft[1] = 1.0
             self.host_plain[1] = self.host_spec[1] = 0.0
 
-        def _avg(self, name, key, value):  # measured times change nothing
+        def _avg(self, name, key, value, cold=False):  # measured times change nothing
             pass
 
     dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
