@@ -64,6 +64,7 @@ from graphs.trees import HEAD_DECAY, RANK_DECAY, TOP1, Tree
 
 _ROOT_ONLY = Tree.from_parents([-1])
 COLD_SKIPS = 16  # Costs: cold measurements left out in a row before one is folded in
+OUTLIER = 2.0  # Costs: a measurement is averaged in as at most this many times the average
 
 # how a row takes part in a step (Planner.plan)
 IDLE, SPEC_OFF, SPEC_ON, SPEC_ADAPTIVE = 0, 1, 2, 3
@@ -93,10 +94,15 @@ class AdaptiveConfig:
     drafting made never to pay (``generate`` per prompt, four probes per 96-token request either way),
     8 ran at 0.79-0.81x autoregressive, None at 0.82-0.86x."""
     probe_steps: int = 3
-    """A probe after plain steps verifies the full trees for this many drafted steps in a row: the
+    """A probe after plain steps verifies the full trees for this many drafted steps in a row where
+    what drafting costs is not known warm yet (and every ``rewarm_every``-th probe after that): the
     first is cold (:class:`Costs`: its costs are not folded in), the ones after it measure what
-    drafting costs while the policy drafts. (A probe among drafted steps, ``widen_every``'s, is one
-    step: it is not cold.)"""
+    drafting costs while the policy drafts. The other probes are one step: they measure the gains
+    (their costs, cold, are left out). A probe among drafted steps, ``widen_every``'s, is one step."""
+    rewarm_every: int = 4
+    """Once drafting's costs are known warm, every this many probes after plain steps is again
+    ``probe_steps`` long (costs drift with the machine). Where drafting never pays, each longer
+    probe costs ``probe_steps - 1`` more losing steps."""
     widen_every: int = 16
     """While the batch drafts trees cut below their full size, the full trees are verified once
     every this many drafted steps (a probe): a cut tree tells nothing about the sizes past it, so
@@ -112,6 +118,7 @@ class AdaptiveConfig:
     def __post_init__(self):
         if (not 0 < self.ema <= 1 or self.margin <= 0 or not 1 <= self.probe_every <= self.max_probe_every
                 or self.recheck_every < 1 or self.widen_every < 1 or self.probe_steps < 1
+                or self.rewarm_every < 1
                 or (self.plain_recheck_every is not None and self.plain_recheck_every < 1)):
             raise ValueError(f"AdaptiveConfig: bad values {self}")
 
@@ -308,7 +315,10 @@ class Costs:
             table[key] = value
             self._once.discard((name, key))
         else:
-            table[key] = (1 - self.ema) * old + self.ema * value
+            # at most OUTLIER times the average: a call the machine stalled (a vCPU descheduled,
+            # another process's threads spinning) took 5-10x on the noisy 2-core VMs here, and with
+            # cold steps left out such a value stayed in the average until drafting ran again
+            table[key] = (1 - self.ema) * old + self.ema * min(value, OUTLIER * old)
         self._sorted.pop(id(table), None)
 
     def add_verify(self, tokens: int, seconds: float, cold: bool = False) -> None:
@@ -390,6 +400,7 @@ class Planner:
         self._reuse = 0  # plain steps left that reuse the last plain decision without deciding
         self._fast_left = 0  # drafted steps left that reuse the last full-tree decision (it clearly paid)
         self._probe_left = 0  # drafted steps left of a probe (AdaptiveConfig.probe_steps)
+        self._probes = 0  # probes after plain steps since the last one of probe_steps
         self._reused_for = None  # (modes, full) that decision was made for
         self._clear = False  # the last decision was the full trees, by fast_margin or more
         self.fast = False  # this step reuses a clearly paying full-tree decision (gains need no update)
@@ -465,7 +476,9 @@ class Planner:
                                 ceilings() if callable(ceilings) else ceilings)
             self._reuse, self._fast_left, self._probe_left, self._reused_for = 0, 0, 0, None
             if width > 1 and self.probing and self.last_width == 1 and self.cfg.probe_steps > 1:  # (after plain)
-                self._probe_left, self._reused_for = self.cfg.probe_steps - 1, key
+                self._probes += 1
+                if not self.costs.warm("draft") or self._probes >= self.cfg.rewarm_every:
+                    self._probe_left, self._reused_for, self._probes = self.cfg.probe_steps - 1, key, 0
             elif width == 1 and SPEC_ADAPTIVE in modes and self.plain_run > 0:
                 every = self.cfg.plain_recheck_every or self.cfg.max_probe_every  # (None: the probe ends it)
                 self._reuse, self._reused_for = every - 1, key

@@ -17,6 +17,7 @@ import pytest
 from graphs.adaptive import (
     COLD_SKIPS,
     IDLE,
+    OUTLIER,
     SPEC_ADAPTIVE,
     SPEC_OFF,
     SPEC_ON,
@@ -186,8 +187,8 @@ def test_cost_tables_refresh_after_a_new_measurement_and_copies_are_independent(
     assert c.verify_cost(4) == 3.0
     c.add_verify(4, 1.0)
     assert c.verify[4] == 1.0  # the second measurement replaces the first (cold)
-    c.add_verify(4, 3.0)
-    assert c.verify[4] == 2.0  # then ema 0.5
+    c.add_verify(4, 2.0)
+    assert c.verify[4] == 1.5  # then ema 0.5
     d = c.copy()
     d.add_verify(2, 3.0)  # the copy knows 2 was measured once: replaced
     assert d.verify[2] == 3.0 and c.verify[2] == 1.0
@@ -195,8 +196,8 @@ def test_cost_tables_refresh_after_a_new_measurement_and_copies_are_independent(
     d.add_draft(1, 1.0)
     d.add_host(True, 1.0)
     d.add_host(False, 1.0)
-    assert c.verify == {2: 1.0, 4: 2.0} and not c.draft and not c.host_spec and not c.host_plain
-    assert d.ema == 0.5 and d.verify[4] == 6.0
+    assert c.verify == {2: 1.0, 4: 1.5} and not c.draft and not c.host_spec and not c.host_plain
+    assert d.ema == 0.5 and d.verify[4] == 0.5 * 1.5 + 0.5 * OUTLIER * 1.5  # (10.0: a stall)
 
 
 # ----------------------------------------------------------------------------- the margin and the plain host term
@@ -678,6 +679,19 @@ def test_a_cold_measurement_only_fills_an_empty_entry():
     assert c.verify[4] == pytest.approx(0.85 * 1.0 + 0.15 * 2.0)
 
 
+def test_a_stalled_call_moves_the_average_by_at_most_outlier_times():
+    c = Costs()
+    c.add_verify(4, 1.0)
+    c.add_verify(4, 1.0)
+    c.add_verify(4, 10.0)  # a stall: averaged in as OUTLIER x the average
+    assert c.verify[4] == pytest.approx(0.85 + 0.15 * OUTLIER)
+    for _ in range(30):  # a lasting change still gets through, OUTLIER x at a time
+        c.add_verify(4, 10.0)
+    assert c.verify[4] == pytest.approx(10.0, rel=0.05)
+    c.add_verify(4, 0.1)  # faster calls are averaged in as they are
+    assert c.verify[4] < 10.0 * 0.86
+
+
 def test_cold_measurements_count_once_nothing_else_comes():
     """Under a stream of arrivals every decode step may follow a prefill chunk: after COLD_SKIPS cold
     measurements in a row, the next is folded in (cold is then what the calls cost)."""
@@ -687,8 +701,8 @@ def test_cold_measurements_count_once_nothing_else_comes():
     for _ in range(COLD_SKIPS):
         c.add_verify(1, 5.0, cold=True)
     assert c.verify[1] == 1.0
-    c.add_verify(1, 5.0, cold=True)
-    assert c.verify[1] == pytest.approx(0.85 * 1.0 + 0.15 * 5.0)
+    c.add_verify(1, 1.5, cold=True)
+    assert c.verify[1] == pytest.approx(0.85 * 1.0 + 0.15 * 1.5)
     c.add_verify(1, 1.0)  # a warm one starts the count again
     before = c.verify[1]
     c.add_verify(1, 5.0, cold=True)
@@ -707,6 +721,16 @@ def test_a_probe_drafts_probe_steps_in_a_row_then_decides(steps):
     for _ in range(2 + steps):
         p.plan(*ONE, g)
     assert g.calls == 2  # a plain decision (held until the probe), the probe's: its later steps reuse it
+
+
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_once_drafting_is_known_warm_a_probe_is_one_step_but_every_rewarm_every(every):
+    p = _losing(probe_every=2, max_probe_every=2, probe_steps=3, rewarm_every=every)
+    p.costs.add_draft(1, 1.0)  # a second measurement: drafting's cost known warm
+    widths = [int(p.plan(*ONE, LOSE)[0]) for _ in range(40)]
+    bursts = "".join("3" if w > 1 else "." for w in widths).split(".")
+    lengths = [len(b) for b in bursts if b]
+    assert lengths[:2 * every] == ([1] * (every - 1) + [3]) * 2
 
 
 def _drive(planner: Planner, steps: int, mark_cold: bool, t: int = 4, accepted: int = 3) -> list[int]:
