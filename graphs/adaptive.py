@@ -33,12 +33,16 @@ that cannot pay for a drafted step (a weak drafter, or one too costly for its ba
 the wait is ``max_probe_every`` from the first plain decision on. While the batch drafts trees cut
 below their full size, the full trees are verified once every ``widen_every`` drafted steps: a cut
 tree observes only the sizes up to its cut, so without them a request whose first trees accepted
-little kept its small trees for good.
+little kept its small trees for good. A probe after plain steps is ``probe_steps`` drafted steps in a
+row where drafting's cost is not known warm yet, and every ``rewarm_every``-th probe after that; the
+other probes are one step.
 
 Costs are what the machine measured, never guessed: a call shape's first measurement (cold: the
 session allocates, pages fault in) is replaced by its second, and the policy takes plain steps until
 a plain step's cost is known warm; after that plain steps are measured only where the policy takes
-them (the estimate is the last plain stretch's while drafting pays). A plain
+them (the estimate is the last plain stretch's while drafting pays). A step right after a call of
+the other kind is cold and left out (:class:`Costs`): a probe's first step costs what drafted steps
+in a row do not, and folded in, probes kept the 19M int4 model plain where drafting paid. A plain
 decision holds until that probe (``plain_recheck_every``): the engine runs such stretches as plain
 runs, as it runs autoregressive decoding. (The wait is each engine's: carried across a decoder's
 engines, a few probes lost to noise kept the 19M model plain for whole benchmark runs.)
@@ -63,7 +67,7 @@ import numpy as np
 from graphs.trees import HEAD_DECAY, RANK_DECAY, TOP1, Tree
 
 _ROOT_ONLY = Tree.from_parents([-1])
-COLD_SKIPS = 16  # Costs: cold measurements left out in a row before one is folded in
+COLD_SKIPS = 16  # Costs: cold measurements of a size left out in a row before they are folded in
 OUTLIER = 2.0  # Costs: a measurement is averaged in as at most this many times the average
 
 # how a row takes part in a step (Planner.plan)
@@ -272,14 +276,16 @@ class RowGains:
 class Costs:
     """Seconds per call on this machine: base forwards by token rows, drafting by batch rows, host.
 
-    A measurement marked ``cold`` (the engine marks a drafted step that follows a plain step or a
-    prefill) is kept only where its table is empty: such a step runs the verify, the drafter and the
-    tree handling after a stretch of other calls, and costs what it would not in a row of drafted
-    steps (nor does it fill a missing size of a table that has others: interpolated between warm
-    sizes, a size is closer than cold, and the estimate's running maximum would carry a cold small
-    size onto every larger one). Where a table has had ``COLD_SKIPS`` cold measurements in a row and
-    no warm one (an engine whose every step follows a prefill chunk, under a stream of arrivals), the
-    next cold one is folded in: cold is then what its calls cost.
+    A measurement marked ``cold`` (the engine marks a decode step that follows a call of the other
+    kind: a drafted step after a plain one or a prefill, a plain one after a drafted one or a
+    prefill) is kept only where its table is empty: such a step runs after a stretch of other calls,
+    and costs what it would not in a row of its kind (nor does it fill a missing size of a table
+    that has others: interpolated between warm sizes, a size is closer than cold, and the estimate's
+    running maximum would carry a cold small size onto every larger one). Where a size has had
+    ``COLD_SKIPS`` cold measurements in a row and no warm one (an engine whose every decode step
+    follows a prefill chunk, under a stream of arrivals), its cold ones are folded in until a warm
+    one comes: cold is then what its calls cost. Warm ones are averaged in as at most ``OUTLIER``
+    times the value they average with.
     Measured on the 19M int4 model (Medusa, a 3-node chain): a probe among plain steps cost 0.95 ms
     of verify, 0.16 of drafter and 0.35 of host, drafted steps in a row 0.65-0.70, 0.05-0.06 and
     0.08; folded in, the probes' costs kept the policy plain (tau 1.03, 0.97x autoregressive) where
@@ -294,7 +300,7 @@ class Costs:
         # the next 0.17. Averaged in (ema 0.15) it took a dozen calls to fade, and the policy's
         # probe wait (which grows the farther drafting is from paying) read it as drafting's cost.
         self._once: set[tuple[str, int]] = set()
-        self._skipped: dict[str, int] = {}  # table name -> cold measurements left out since its last warm one
+        self._skipped: dict[tuple[str, int], int] = {}  # (table, key) -> cold ones left out since its last warm one
         self.verify: dict[int, float] = {}  # token rows (batch x width) -> seconds
         self.draft: dict[int, float] = {}  # batch rows -> seconds of drafting per drafted step
         self.host_plain: dict[int, float] = {}  # batch rows -> host seconds per plain step (outside graph calls)
@@ -303,11 +309,16 @@ class Costs:
     def _avg(self, name: str, key: int, value: float, cold: bool = False) -> None:
         table = getattr(self, name)
         old = table.get(key)
-        if cold and table and self._skipped.get(name, 0) < COLD_SKIPS:
-            self._skipped[name] = self._skipped.get(name, 0) + 1
+        if cold and table and self._skipped.get((name, key), 0) < COLD_SKIPS:
+            self._skipped[(name, key)] = self._skipped.get((name, key), 0) + 1
             return  # a call right after a switch (class doc): what it costs is not what it costs in a row
         if not cold:
-            self._skipped[name] = 0
+            self._skipped.pop((name, key), None)
+        # at most OUTLIER times the value it averages with: a call the machine stalled (a vCPU
+        # descheduled, another process's threads spinning) took 5-10x on the noisy 2-core VMs here,
+        # and with cold steps left out such a value stayed in the average until drafting ran again
+        if old is not None and old > 0:
+            value = min(value, OUTLIER * old)
         if old is None:
             table[key] = value
             self._once.add((name, key))
@@ -315,10 +326,7 @@ class Costs:
             table[key] = value
             self._once.discard((name, key))
         else:
-            # at most OUTLIER times the average: a call the machine stalled (a vCPU descheduled,
-            # another process's threads spinning) took 5-10x on the noisy 2-core VMs here, and with
-            # cold steps left out such a value stayed in the average until drafting ran again
-            table[key] = (1 - self.ema) * old + self.ema * min(value, OUTLIER * old)
+            table[key] = (1 - self.ema) * old + self.ema * value
         self._sorted.pop(id(table), None)
 
     def add_verify(self, tokens: int, seconds: float, cold: bool = False) -> None:
@@ -500,7 +508,7 @@ class Planner:
             return w_min
         c = self.costs
         if not c.draft:  # nothing drafted yet: speculate, to measure it (a probe: steps in a row)
-            self.probing = True
+            self.probing = w_min == 1  # (rows that always speculate measure it anyway)
             return w_max
         if w_min == 1 and not self._measured_plain():
             self.probing = False

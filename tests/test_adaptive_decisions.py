@@ -190,8 +190,8 @@ def test_cost_tables_refresh_after_a_new_measurement_and_copies_are_independent(
     c.add_verify(4, 2.0)
     assert c.verify[4] == 1.5  # then ema 0.5
     d = c.copy()
-    d.add_verify(2, 3.0)  # the copy knows 2 was measured once: replaced
-    assert d.verify[2] == 3.0 and c.verify[2] == 1.0
+    d.add_verify(2, 1.8)  # the copy knows 2 was measured once: replaced
+    assert d.verify[2] == 1.8 and c.verify[2] == 1.0
     d.add_verify(4, 10.0)
     d.add_draft(1, 1.0)
     d.add_host(True, 1.0)
@@ -690,6 +690,12 @@ def test_a_stalled_call_moves_the_average_by_at_most_outlier_times():
     assert c.verify[4] == pytest.approx(10.0, rel=0.05)
     c.add_verify(4, 0.1)  # faster calls are averaged in as they are
     assert c.verify[4] < 10.0 * 0.86
+    c.add_verify(2, 1.0)
+    c.add_verify(2, 9.0)  # the second measurement replaces the first, bounded too
+    assert c.verify[2] == OUTLIER
+    c.host_plain[1] = 0.0  # a zero (a test's fixed cost) is no bound: the next one counts
+    c.add_host(False, 0.5)
+    assert c.host_plain[1] == pytest.approx(0.15 * 0.5)
 
 
 def test_cold_measurements_count_once_nothing_else_comes():
@@ -703,11 +709,23 @@ def test_cold_measurements_count_once_nothing_else_comes():
     assert c.verify[1] == 1.0
     c.add_verify(1, 1.5, cold=True)
     assert c.verify[1] == pytest.approx(0.85 * 1.0 + 0.15 * 1.5)
+    folded = c.verify[1]
+    c.add_verify(1, 1.5, cold=True)  # and every cold one after it, until a warm one comes
+    assert c.verify[1] > folded
     c.add_verify(1, 1.0)  # a warm one starts the count again
     before = c.verify[1]
     c.add_verify(1, 5.0, cold=True)
     assert c.verify[1] == before
     assert c.copy()._skipped == c._skipped
+    # counted by size: warm measurements of another size (a prefill's, every step) do not reset it
+    c = Costs()
+    c.add_verify(1, 1.0)
+    for _ in range(COLD_SKIPS):
+        c.add_verify(8, 3.0)  # warm, another size
+        c.add_verify(4, 2.0, cold=True)  # never measured warm
+    assert 4 not in c.verify
+    c.add_verify(4, 2.0, cold=True)
+    assert c.verify[4] == 2.0
 
 
 @pytest.mark.parametrize("steps", [1, 3, 5])

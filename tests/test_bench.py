@@ -353,3 +353,33 @@ def test_bench_settings_say_whether_trees_were_re_tuned(exported, tmp_path, monk
         assert main([str(exported(kind)), "--precisions", precisions, "--peers", "", "--repeats", "1",
                      "--prompts", "1", "--max-new-tokens", "2", "--threads", "1", "--json", str(report)]) == 0
         assert json.loads(report.read_text())["settings"]["tune"] is tuned, (kind, precisions)
+
+
+def _worker_on(code: str):
+    """A process that says it is ready, then runs ``code`` (Worker.settle needs only the process)."""
+    import subprocess
+
+    w = object.__new__(S.Worker)
+    w.proc = subprocess.Popen([sys.executable, "-c", "import sys, time\nprint('ready', flush=True)\n" + code],
+                              stdout=subprocess.PIPE, text=True)
+    assert w.proc.stdout.readline().strip() == "ready"  # its start-up is over
+    return w
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread states: Linux's /proc")
+def test_a_run_waits_for_the_last_workers_threads_to_go_idle():
+    """Worker.settle: a worker still burning a core (as ORT's spinning pools do after a run) is waited
+    for; an idle one is not; one that exited returns at once."""
+    idle = _worker_on("time.sleep(60)")
+    busy = _worker_on("t = time.time()\nwhile time.time() - t < 0.4: pass\ntime.sleep(60)")
+    try:
+        if S.Worker.running_threads(busy) is None:  # no thread states here: the fixed pause
+            assert S.SETTLE_FALLBACK_S <= S.Worker.settle(busy) < S.SETTLE_FALLBACK_S + 0.1
+            return
+        assert S.Worker.settle(busy) >= 0.2  # (it spins for 0.4 s from its start)
+        assert S.Worker.settle(idle) < 0.1
+    finally:
+        for w in (busy, idle):
+            w.proc.kill()
+            w.proc.wait()
+    assert S.Worker.settle(idle) < 0.01  # exited: no wait

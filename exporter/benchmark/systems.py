@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SETTLE_WINDOW_S = 0.005  # Worker.settle: idle means under 5% of a core over this window
+SETTLE_POLL_S = 0.002  # Worker.settle: idle means no thread running in two polls this far apart
 SETTLE_LIMIT_S = 0.5  # and a run never waits longer than this for the one before it
+SETTLE_FALLBACK_S = 0.1  # the pause where the platform gives no thread states
 
 
 @dataclass
@@ -78,38 +79,49 @@ class Worker:
             raise WorkerError(f"the worker exited ({self.proc.returncode}): {self.last_log_line()}")
         return json.loads(line)
 
-    def cpu_ns(self) -> int | None:
-        """Nanoseconds the worker's threads have run, all of them (Linux's per-thread schedstat); None
+    def running_threads(self) -> int | None:
+        """How many of the worker's threads are running or waiting for a core (state R in Linux's
+        /proc/PID/task/*/stat: a spinning thread is, even while another process has the core); None
         where the platform does not say."""
-        total = 0
         try:
-            for task in os.scandir(f"/proc/{self.proc.pid}/task"):
-                with open(os.path.join(task.path, "schedstat")) as f:
-                    total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
+            tasks = list(os.scandir(f"/proc/{self.proc.pid}/task"))
+        except OSError:
             return None
-        return total
+        running = 0
+        for task in tasks:
+            try:
+                with open(os.path.join(task.path, "stat")) as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]  # (the name in parentheses may hold spaces)
+            except FileNotFoundError:  # a thread that ended since the listing
+                continue
+            except (OSError, IndexError):
+                return None
+            running += state == "R"
+        return running
 
-    def settle(self, window_s: float = SETTLE_WINDOW_S, limit_s: float = SETTLE_LIMIT_S) -> float:
-        """Wait until the worker's threads stop running; returns the seconds waited.
+    def settle(self, poll_s: float = SETTLE_POLL_S, limit_s: float = SETTLE_LIMIT_S) -> float:
+        """Wait until none of the worker's threads runs; returns the seconds waited.
 
         ONNX Runtime's pools spin after a run (a core busy for 30-40 ms on a 2-core machine, both ours
         and genai's): the next system to run would share the cores with that spin for most of a
         96-token request. Measured on the 19M int4 model taking turns with genai: ours 0.83x genai
         back to back, 0.92x with 0.1 s between them; standalone each runs faster than either. So each
-        run starts once the one before it is idle: its threads used under 5% of a core over
-        ``window_s``. Where the platform gives no per-thread times, a fixed ``limit_s`` pause."""
+        run starts once the one before it is idle: no thread running or runnable in two polls
+        ``poll_s`` apart (a thread's state, not its CPU time: a spinning thread that another process
+        holds off its core still counts), waiting at most ``limit_s``. Where the platform gives no
+        thread states, a fixed ``SETTLE_FALLBACK_S`` pause (past the spin measured here); a worker
+        that exited, none."""
         t0 = time.perf_counter()
-        before = self.cpu_ns()
-        if before is None:
-            time.sleep(limit_s)
-            return limit_s
-        while time.perf_counter() - t0 < limit_s:
-            time.sleep(window_s)
-            now = self.cpu_ns()
-            if now is None or now - before < 0.05 * window_s * 1e9:
+        quiet = 0
+        while self.proc.poll() is None and time.perf_counter() - t0 < limit_s:
+            running = self.running_threads()
+            if running is None:
+                time.sleep(SETTLE_FALLBACK_S)
                 break
-            before = now
+            quiet = quiet + 1 if running == 0 else 0
+            if quiet >= 2:
+                break
+            time.sleep(poll_s)
         return time.perf_counter() - t0
 
     def last_log_line(self) -> str:
