@@ -167,6 +167,7 @@ def _priced(verify: dict, draft: float = 0.0, rows: int = 1, host_plain: float =
     p = Planner(cfg or AdaptiveConfig(probe_every=64, max_probe_every=64))
     for tokens, t in verify.items():
         p.costs.add_verify(tokens, t)
+        p.costs.add_verify(tokens, t)  # (twice: a shape's first measurement may be cold)
     p.costs.add_draft(rows, draft)
     p.costs.add_host(False, host_plain, rows)
     p.costs.add_host(False, host_plain, rows)  # (twice: a shape's first measurement is cold)
@@ -214,10 +215,12 @@ def test_verify_cost_estimates_interpolate_and_extrapolate():
     assert c.verify_cost(20) == pytest.approx(6.0)  # past the largest: proportional (compute-bound)
     assert c.verify_cost(1) == pytest.approx(1.0)  # below the smallest: the smallest
     assert np.allclose(c.verify_cost(np.array([2, 6, 20])), [1.0, 2.0, 6.0])
-    c.add_verify(2, 1.5)  # the second measurement replaces the first (a shape's first call is cold)
-    assert c.verify[2] == 1.5
-    c.add_verify(2, 2.0)  # then an average, weighted ema to the newest
-    assert c.verify[2] == pytest.approx(0.85 * 1.5 + 0.15 * 2.0)
+    c.add_verify(2, 0.8)  # the second measurement replaces a higher first (a shape's first call is cold)
+    assert c.verify[2] == 0.8
+    c.add_verify(2, 1.2)  # then an average, weighted ema to the newest
+    assert c.verify[2] == pytest.approx(0.85 * 0.8 + 0.15 * 1.2)
+    c.add_verify(10, 4.0)  # a higher second one does not (one sample says little: the lower stands)
+    assert c.verify[10] == 3.0
 
 
 def test_unobserved_sizes_grow_by_the_last_measured_increment():

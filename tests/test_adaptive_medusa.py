@@ -76,6 +76,7 @@ def test_gain_predicts_the_greedy_walk_on_cut_medusa_trees(seed):
 def _costs(p: Planner, verify: dict, draft: float, host_plain: float, host_spec: float) -> Planner:
     for tokens, t in verify.items():
         p.costs.add_verify(tokens, t)
+        p.costs.add_verify(tokens, t)  # (twice: a shape's first measurement may be cold)
     p.costs.add_draft(1, draft)
     p.costs.add_host(False, host_plain)
     p.costs.add_host(False, host_plain)  # (twice: a shape's first measurement is cold)

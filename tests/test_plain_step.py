@@ -691,7 +691,7 @@ def test_adaptive_plain_steps_run_in_a_row_as_the_policy_decided_them(exports):
     class FixedCosts(Costs):
         def __init__(self):
             super().__init__()
-            self.verify.update({1: 1e-3, 64: 1.0})
+            self.verify.update({1: 1e-3, 2: 2e-3, 64: 1.0})  # (2: the plain call of both rows)
             self.draft[1] = 1.0
             self.host_plain[1] = self.host_spec[1] = 0.0
 
