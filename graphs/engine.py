@@ -452,8 +452,7 @@ class Engine:
         self.kv.commit(self.dec.presents(out), idx, np.array(counts, dtype=np.int64))
         self.proposer.advance(live, out, accepted, bonus, cands, sizes)
         # costs and gains (the planner), statistics, emitted tokens
-        kind = "drafted" if drafted else "plain"
-        cold, self._last_call = kind != self._last_call, kind  # the first step after a switch
+        cold = self._switched("drafted" if drafted else "plain")
         self.planner.costs.add_verify(n * width, t_verify, cold)
         if drafted:
             self.planner.costs.add_draft(n, t_draft, cold)
@@ -570,7 +569,7 @@ class Engine:
                 self.planner.planned_plain()  # the next step is one the policy already decided
         # right after a drafted step or a prefill the first plain call is cold (graphs.adaptive.Costs):
         # measured by the run's other steps, or not folded in where it ran alone
-        cold, self._last_call = self._last_call != "plain", "plain"
+        cold = self._switched("plain")
         self.kv.keep_new(counts * steps)  # each decoding row keeps the column each step wrote
         toks = [[r[b] for r in got] for b in range(n)]
         if cold and steps > 1:
@@ -593,6 +592,12 @@ class Engine:
                 events.append(ev)
         self.planner.costs.add_host(False, (time.perf_counter() - t_start - t_verify) / steps, n, cold and steps == 1)
         return events
+
+    def _switched(self, kind: str) -> bool:
+        """A decode step of ``kind`` ("plain" / "drafted") ran: whether the call before it was of another
+        kind (or a prefill), which makes this one cold (graphs.adaptive.Costs)."""
+        cold, self._last_call = kind != self._last_call, kind
+        return cold
 
     def _plain_tokens(self, live: list, logits: np.ndarray, roots: list, tree, by_token: list, said: list):
         """One plain step's tokens, each row's sampler choosing from ``logits`` (n, 1, V) as the general

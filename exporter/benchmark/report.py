@@ -72,7 +72,7 @@ def summarize(system, prompts_tokens: list[int], bandwidth: float | None) -> dic
         "base_forwards": forwards,
         "draft_calls": draft_calls,
         # after each run the bench waits for the worker's threads to go idle (systems.Worker.settle)
-        "settle_ms_median": float(np.median(system.settle_s)) * 1e3 if getattr(system, "settle_s", None) else None,
+        "settle_ms_median": float(np.median(system.settle_s)) * 1e3 if system.settle_s else None,
         "time_split": None,
     })
     if all("verify_s" in r for r in runs) and decode_s > 0:

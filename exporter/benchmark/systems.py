@@ -163,10 +163,10 @@ def run(system: System, request: dict) -> dict | None:
     except WorkerError as e:
         system.skip(str(e), "failed")
         return None
-    system.settle_s.append(system.worker.settle())
     if not reply["ok"]:
-        system.skip(f"run failed: {reply['reason']}", "failed")
+        system.skip(f"run failed: {reply['reason']}", "failed")  # (its worker is gone: nothing to wait for)
         return None
+    system.settle_s.append(system.worker.settle())
     return reply
 
 
