@@ -483,8 +483,7 @@ class Planner:
             width = self.last_width
         else:
             self._clear = False
-            width = self._width(modes, full, gains() if callable(gains) else gains,
-                                ceilings() if callable(ceilings) else ceilings)
+            width = self._width(modes, full, gains, ceilings)
             self._reuse, self._fast_left, self._probe_left, self._reused_for = 0, 0, 0, None
             if width > 1 and self.probing and self.last_width == 1 and self.cfg.probe_steps > 1:  # (after plain)
                 self._probes += 1
@@ -502,6 +501,8 @@ class Planner:
         return np.array(sizes, dtype=np.int64)
 
     def _width(self, modes: list[int], full: list[int], gains, ceilings=None) -> int:
+        """The batch's width; ``gains`` / ``ceilings`` as :meth:`plan` takes them (lists, or callables
+        called only here, once a choice is to be made: rows that all take their full trees need none)."""
         rows = len(modes)
         on = [b for b, m in enumerate(modes) if m == SPEC_ON]
         adapt = [b for b, m in enumerate(modes) if m == SPEC_ADAPTIVE]
@@ -509,6 +510,8 @@ class Planner:
         w_max = max([full[b] for b in on + adapt], default=1)
         if not adapt or w_max <= w_min:
             return w_min
+        gains = gains() if callable(gains) else gains
+        ceilings = ceilings() if callable(ceilings) else ceilings
         c = self.costs
         if not c.draft:  # nothing drafted yet: speculate, to measure it (a probe: steps in a row)
             self.probing = w_min == 1  # (rows that always speculate measure it anyway)

@@ -420,7 +420,7 @@ class Engine:
                                                             else r.gains.predicted() for r in live],
                                       lambda: [None if r is None or r.gains is None else r.gains.ceiling
                                                for r in live])
-            drafted = int(sizes.max()) > 1
+            drafted = max(sizes.tolist()) > 1
         else:  # nobody may speculate: nothing to decide
             sizes, drafted = None, False
         if not drafted:
@@ -650,7 +650,7 @@ class Engine:
         statistics, position and root move on, the watchers see it, its tokens are emitted."""
         if watchers:
             self._watched(req, tree, cand, a, bonus, watchers)
-        toks = [int(x) for x in cand[a[1:]]] + [bonus] if len(a) > 1 else [bonus]
+        toks = cand[a[1:]].tolist() + [bonus] if len(a) > 1 else [bonus]
         return self._moved(req, [len(a)], toks, t_verify)
 
     def _watched(self, req: Request, tree, cand, a: list, bonus: int, watchers: list) -> None:

@@ -29,7 +29,7 @@ from graphs import contract as C
 from graphs.adaptive import cut_tree, root_only, static_scores, sub_tree
 from graphs.eagle_draft import tree_from_outputs
 from graphs.kv import inplace_mask
-from graphs.sessions import InPlaceRun
+from graphs.sessions import BoundArrays, InPlaceRun
 from graphs.slots import SlotCache, attention_mask
 from graphs.trees import DynamicTreeBuilder
 
@@ -92,6 +92,7 @@ class Medusa(Plain):
     def __init__(self, runtime):
         super().__init__(runtime)
         self._trees: dict = {}  # tree content -> the tree with static scores, and its cuts by size
+        self._calls: dict = {}  # (drafting rows, top-k) -> the heads' bound call (one engine, one thread)
 
     def new_state(self, req):
         t = req.tree
@@ -103,6 +104,22 @@ class Medusa(Plain):
             self._trees[key] = {"tree": dataclasses.replace(t, score=static_scores(t))}
         tree = self._trees[key]["tree"]
         return {"hidden": None, "tree": tree, "cuts": self._trees[key], "topk": int(tree.rank.max()) + 1}
+
+    def _bound(self, d: int, k: int) -> BoundArrays:
+        """The heads' call for ``d`` drafting rows and top-``k``, bound once (graphs.sessions.BoundArrays):
+        hidden (d, 1, H) in, topk_ids (d, 1, heads, k) out. A few (rows, k) pairs occur; each is kept."""
+        call = self._calls.get((d, k))
+        if call is None:
+            if len(self._calls) >= 16:  # a memory, not a log (a batch's drafting rows vary)
+                self._calls.clear()
+            spec = self.rt.draft_spec
+            h_in, ids_out = spec.input(C.HIDDEN), spec.output(C.TOPK_IDS)
+            topk = np.array([k], dtype=np.int64)
+            call = BoundArrays(self.rt.draft, {C.HIDDEN: ((d, 1, h_in.dims[2]), h_in.dtype), C.TOPK_IN: ((1,), topk.dtype)},
+                               {C.TOPK_IDS: ((d, 1, ids_out.dims[2], k), ids_out.dtype)})
+            call.inputs[C.TOPK_IN][:] = topk
+            self._calls[(d, k)] = call
+        return call
 
     @staticmethod
     def _cut(state: dict, n: int):
@@ -126,10 +143,13 @@ class Medusa(Plain):
         result = _roots(rows)
         if not drafting:
             return result, 0.0, 0
-        hidden = np.stack([rows[b].draft["hidden"] for b in drafting])[:, None]  # (D, 1, H)
         k = max(rows[b].draft["topk"] for b in drafting)
+        call = self._bound(len(drafting), k)
+        hidden = call.inputs[C.HIDDEN]  # (D, 1, H)
+        for j, b in enumerate(drafting):
+            hidden[j, 0] = rows[b].draft["hidden"]
         t0 = time.perf_counter()
-        (ids,) = self.rt.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden, C.TOPK_IN: np.array([k], dtype=np.int64)})
+        ids = call.run()[C.TOPK_IDS]
         t_draft = time.perf_counter() - t0
         for j, b in enumerate(drafting):  # ids (D, 1, heads, K)
             # (the tree's depth was checked against the drafter's heads when the request was made:

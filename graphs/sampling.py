@@ -55,13 +55,14 @@ def greedy_accept(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> tuple[l
     n = 0
     while True:
         t = best[n]
-        check_finite(logits[n, t])
         for c in kids[n]:  # priority order: the first child carrying t
             if toks[c] == t:
                 n = c
                 accepted.append(n)
                 break
         else:
+            # every choice the walk made, checked at once (a nan or +inf among them: no real choice)
+            check_finite(logits[accepted, [best[i] for i in accepted]])
             return accepted, t
 
 

@@ -174,6 +174,9 @@ class SlotCache:
             return
         counts = np.asarray(counts, dtype=np.int64)
         bsz, a = idx.shape
+        if presents is None and bsz == 1:  # one row written in place (a request alone)
+            self._compact_one(first, idx[0], int(counts[0]))
+            return
         rows = first + np.arange(bsz)
         lens = self.lens[rows]
         if presents is None:
@@ -212,13 +215,8 @@ class SlotCache:
         """Rows written in place at ``lens`` (node j at column lens + j): node ``idx[b, j]`` moves to
         column ``lens[b] + j`` for j < counts[b]. Nodes already in place (a prefill, a plain step, a
         chain's accepted prefix) move nothing; the others are a few small copies per buffer."""
-        if rows.shape[0] == 1:  # one row (a request alone): the moves as Python lists, one copy of them
-            r, w, c = int(rows[0]), int(lens[0]), int(counts[0])
-            moves = [(w + j, w + x) for j, x in enumerate(idx[0, :c].tolist()) if x != j]
-            if moves:
-                dst, src = (list(m) for m in zip(*moves))
-                self.store[:, r, :, dst] = self.store[:, r, :, src]  # every layer; the right side is a copy
-            self.lens[r] += c
+        if rows.shape[0] == 1:
+            self._compact_one(int(rows[0]), idx[0], int(counts[0]))
             return
         keep = (np.arange(idx.shape[1])[None, :] < counts[:, None]) & (idx != np.arange(idx.shape[1])[None, :])
         b_loc, j = np.nonzero(keep)
@@ -229,9 +227,18 @@ class SlotCache:
             self.store[:, dst_rows, :, cols] = self.store[:, dst_rows, :, src]
         self.lens[rows] += counts
 
+    def _compact_one(self, r: int, idx: np.ndarray, c: int) -> None:
+        """:meth:`_compact` of one row ``r`` (a request alone): the moves as Python lists, one copy of them."""
+        w = int(self.lens[r])
+        moves = [(w + j, w + x) for j, x in enumerate(idx[:c].tolist()) if x != j]
+        if moves:
+            dst, src = (list(m) for m in zip(*moves))
+            self.store[:, r, :, dst] = self.store[:, r, :, src]  # every layer; the right side is a copy
+        self.lens[r] += c
+
     def top(self) -> int:
         """First column past every occupied row (where temporary rows go)."""
-        return int(self.lens[: self.n].max(initial=0))
+        return int(self.lens[0]) if self.n == 1 else int(self.lens[: self.n].max(initial=0))
 
     def write_temp(self, presents: list[np.ndarray] | None, width: int | None = None) -> int:
         """Write all S new rows of every occupied row at ``top() + temp`` (temporary draft-tree rows);

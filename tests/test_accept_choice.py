@@ -143,6 +143,23 @@ def test_greedy_accept_refuses_non_finite_logits():
         greedy_accept(CHAIN, np.array([0, 1, 2]), np.array([[0.0, np.nan, 0.0]] * 3))
 
 
+def test_greedy_accept_checks_every_node_it_walks_and_only_those():
+    """The chosen logits of every visited node are checked (once, after the walk): a nan or +inf on
+    the walk's last node fails; one on a node the walk never reaches is no choice made."""
+    walked = np.array([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [0.0, 0.0, 0.0]])  # tokens 1, 2: the whole chain
+    for bad in (np.nan, np.inf):
+        logits = walked.copy()
+        logits[2, 0] = bad  # the last node's choice (the bonus)
+        with pytest.raises(NonFiniteLogitsError):
+            greedy_accept(CHAIN, np.array([0, 1, 2]), logits)
+    logits = walked.copy()
+    logits[1, 2] = np.inf  # node 1's choice: +inf wins its argmax, and is refused
+    with pytest.raises(NonFiniteLogitsError):
+        greedy_accept(CHAIN, np.array([0, 1, 2]), logits)
+    logits = np.array([[0.0, 5.0, 0.0], [np.nan, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert greedy_accept(CHAIN, np.array([0, 2, 1]), logits) == ([0], 1)  # node 1 never walked
+
+
 def test_typical_accept_default_alpha_is_0_3():
     """Uniform over 12 (p = .083): default bar min(.09, .3 / 12) = .025 passes it; alpha 1.3 would make
     the bar min(.09, .108) = .09 and fail it."""
