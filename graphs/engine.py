@@ -650,7 +650,7 @@ class Engine:
         statistics, position and root move on, the watchers see it, its tokens are emitted."""
         if watchers:
             self._watched(req, tree, cand, a, bonus, watchers)
-        toks = cand[a[1:]].tolist() + [bonus] if len(a) > 1 else [bonus]
+        toks = [*cand[a[1:]].tolist(), bonus] if len(a) > 1 else [bonus]
         return self._moved(req, [len(a)], toks, t_verify)
 
     def _watched(self, req: Request, tree, cand, a: list, bonus: int, watchers: list) -> None:

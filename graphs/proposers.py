@@ -114,10 +114,10 @@ class Medusa(Plain):
                 self._calls.clear()
             spec = self.rt.draft_spec
             h_in, ids_out = spec.input(C.HIDDEN), spec.output(C.TOPK_IDS)
-            topk = np.array([k], dtype=np.int64)
-            call = BoundArrays(self.rt.draft, {C.HIDDEN: ((d, 1, h_in.dims[2]), h_in.dtype), C.TOPK_IN: ((1,), topk.dtype)},
+            call = BoundArrays(self.rt.draft,
+                               {C.HIDDEN: ((d, 1, h_in.dims[2]), h_in.dtype), C.TOPK_IN: ((1,), np.int64)},
                                {C.TOPK_IDS: ((d, 1, ids_out.dims[2], k), ids_out.dtype)})
-            call.inputs[C.TOPK_IN][:] = topk
+            call.inputs[C.TOPK_IN][:] = k
             self._calls[(d, k)] = call
         return call
 
