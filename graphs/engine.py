@@ -153,7 +153,13 @@ class Request:
 class Engine:
     """Continuous batching over one decoder's sessions (see the module doc)."""
 
-    def __init__(self, decoder, config: EngineConfig | None = None, planner: Planner | None = None):
+    def __init__(self, decoder, config: EngineConfig | None = None, planner: Planner | None = None,
+                 kv: SlotCache | None = None, keep_kv: bool = False):
+        """``kv``: an idle cache of an earlier engine of this decoder to reuse (its buffers, capacity and
+        bindings: :meth:`graphs.runtime.Decoder.generate` lends its last one), taken where it fits this
+        engine (as many rows, no row occupied, a capacity within this engine's budget), else a new one
+        is made. ``keep_kv``: keep the K/V memory when no request is left (for a caller that lends it
+        on); by default an engine gives it back then (a server's engine between bursts)."""
         self.dec = decoder
         self.config = cfg = config or EngineConfig()
         self.max_len = min(cfg.max_len or 2048, decoder.max_positions)
@@ -161,8 +167,15 @@ class Engine:
             raise InputError(f"EngineConfig.max_len {cfg.max_len} exceeds the model's context of "
                              f"{decoder.max_positions} positions")
         src = decoder.manifest.source
-        self.kv = SlotCache(src["num_layers"], cfg.max_batch, src["num_kv_heads"], src["head_dim"], decoder.dtype,
-                            self.max_len, headroom=cfg.max_tree, layout=decoder.kv_layout)
+        limit = self.max_len + cfg.max_tree  # the columns a row may ever have: max_len and one tree
+        if not (kv is not None and kv.slots == cfg.max_batch and kv.n == 0 and kv.temp == 0
+                and kv.capacity <= limit and kv.layout == decoder.kv_layout and kv.dtype == decoder.dtype
+                and kv.num_layers == src["num_layers"]):
+            kv = SlotCache(src["num_layers"], cfg.max_batch, src["num_kv_heads"], src["head_dim"], decoder.dtype,
+                           self.max_len, headroom=cfg.max_tree, layout=decoder.kv_layout)
+        kv.limit = limit
+        self.kv = kv
+        self.keep_kv = keep_kv
         self.layers = src["num_layers"]
         self.plain = Plain(decoder)
         if decoder.kind == "medusa":
@@ -751,7 +764,8 @@ class Engine:
                 last.slot = b
             req.slot = None
         if not self._rows:
-            self.kv.shrink()
+            if not self.keep_kv:
+                self.kv.shrink()
             self.proposer.shrink()
 
 

@@ -870,3 +870,37 @@ def test_a_plain_run_after_drafting_is_measured_warm_or_not_at_all(exports, monk
     res = dec.generate([5, 6, 7, 8], max_new_tokens=30, mode="speculative")
     assert res.stats.plain_steps > 2 and len(plain) >= 2
     assert plain == [ahead == 0] * len(plain)
+
+
+def test_generate_reuses_its_last_kv_cache_and_decodes_the_same(exports, monkeypatch):
+    """A one-prompt generate/stream call lends its K/V cache (buffers, capacity, bound calls) to the
+    next one (Decoder._keep_kv): the next request decodes exactly what it decodes on a fresh decoder,
+    after a longer one left its columns (stale K/V past the new row's length) and a larger capacity;
+    a batch never takes it; a cache past SPARE_KV_BYTES is not kept; an export without the
+    one-sequence graph (whose attention reads every column of the capacity) keeps none."""
+    from graphs import runtime
+
+    out = exports["one-sequence"]
+    fresh = {}
+    for mode in ("speculative", "autoregressive"):
+        fresh[mode] = graphs.load(out, provider="cpu").generate([7, 8, 9], max_new_tokens=12, mode=mode).token_ids
+    dec = graphs.load(out, provider="cpu")
+    assert dec._kv_spare is None
+    dec.generate([3, 4, 5, 6, 7, 8], max_new_tokens=60, mode="speculative")  # long: a large capacity
+    kv = dec._kv_spare
+    assert kv is not None and kv.n == 0 and kv.capacity >= 66
+    long_capacity, bindings = kv.capacity, len(kv.bindings)
+    for mode in ("speculative", "autoregressive"):
+        assert dec.generate([7, 8, 9], max_new_tokens=12, mode=mode).token_ids == fresh[mode]
+        assert dec._kv_spare is kv and kv.capacity == long_capacity  # reused: no new buffers
+    assert len(kv.bindings) >= bindings
+    streamed = [t for ev in dec.stream([7, 8, 9], max_new_tokens=12, mode="speculative") for t in ev.token_ids]
+    assert streamed == fresh["speculative"] and dec._kv_spare is kv
+    batch = dec.generate([[7, 8, 9], [5, 6]], max_new_tokens=4)
+    assert batch[0].token_ids == fresh["speculative"][:4] and dec._kv_spare is kv  # a batch made its own
+    monkeypatch.setattr(runtime, "SPARE_KV_BYTES", 0)
+    dec.generate([7, 8, 9], max_new_tokens=4)
+    assert dec._kv_spare is None  # taken, too large to keep
+    no_gqa = graphs.load(exports["bsh"], provider="cpu")
+    no_gqa.generate([7, 8, 9], max_new_tokens=4)
+    assert no_gqa._kv_spare is None
