@@ -428,8 +428,8 @@ class BoundArrays:
     each call: copy what must outlive the next one). Only the outputs named are computed.
 
     Why not ``session.run``: its Python wrapper checks the feed, wraps every input and allocates and
-    converts every output on each call: ~40 us around a ~60 us Medusa heads call on the 19M int4
-    model (measured inside the engine, where the call right after a verify finds the caches cold)."""
+    converts every output on each call. Inside the engine the 19M int4 model's Medusa heads call (55-60
+    us bare) took 0.106 ms per drafted step through ``run`` and 0.081 ms bound (the least of 10 runs)."""
 
     def __init__(self, session, inputs: dict, outputs: dict):
         self.session = session
