@@ -144,12 +144,17 @@ class Medusa(Plain):
         if not drafting:
             return result, 0.0, 0
         k = max(rows[b].draft["topk"] for b in drafting)
-        call = self._bound(len(drafting), k)
-        hidden = call.inputs[C.HIDDEN]  # (D, 1, H)
-        for j, b in enumerate(drafting):
-            hidden[j, 0] = rows[b].draft["hidden"]
-        t0 = time.perf_counter()
-        ids = call.run()[C.TOPK_IDS]
+        if self.rt.provider == "cpu":
+            call = self._bound(len(drafting), k)
+            hidden = call.inputs[C.HIDDEN]  # (D, 1, H)
+            for j, b in enumerate(drafting):
+                hidden[j, 0] = rows[b].draft["hidden"]
+            t0 = time.perf_counter()
+            ids = call.run()[C.TOPK_IDS]
+        else:  # (host arrays bound to a CUDA session: untested here, no GPU was lent; run() is)
+            hidden = np.stack([rows[b].draft["hidden"] for b in drafting])[:, None]  # (D, 1, H)
+            t0 = time.perf_counter()
+            (ids,) = self.rt.draft.run([C.TOPK_IDS], {C.HIDDEN: hidden, C.TOPK_IN: np.array([k], dtype=np.int64)})
         t_draft = time.perf_counter() - t0
         for j, b in enumerate(drafting):  # ids (D, 1, heads, K)
             # (the tree's depth was checked against the drafter's heads when the request was made:
