@@ -500,21 +500,20 @@ class Decoder:
         new = p.new_tokens_for(longest)  # HF's max_length counts the batch's longest prompt
         max_len = min(longest + new + 1, self.max_positions)
         cfg = batch_config(self.manifest.source, self.dtype, len(prompts), longest, max(max_len, 2))
-        spare = len(prompts) == 1 and self._one_sequence is not None  # (see _spare_kv)
+        # (see _spare_kv; with min_rows > 1 a one-token prefill is padded into a call the base runs)
+        spare = len(prompts) == 1 and self._one_sequence is not None and self.min_rows == 1
         engine = Engine(self, cfg, kv=self._spare_kv() if spare else None, keep_kv=spare)
-        r = Resolved(**{**p.__dict__, "max_new_tokens": new, "max_length": None})
-        reqs = [self.new_request(x, r, engine.max_len, stream=b) for b, x in enumerate(prompts)]
-        for req in reqs:
-            req.text_per_token = stream or bool(r.stop_strings)
-        ids = [engine.add(req) for req in reqs]
-        run.requests = [engine.request(i) for i in ids]
-        index = {rid: b for b, rid in enumerate(ids)}
-        stats = run.stats
-        stats.prompt_tokens = sum(len(x) for x in prompts)
-        t0 = _now()
         try:
-            yield from self._steps(engine, run, index, t0)
-        finally:
+            r = Resolved(**{**p.__dict__, "max_new_tokens": new, "max_length": None})
+            reqs = [self.new_request(x, r, engine.max_len, stream=b) for b, x in enumerate(prompts)]
+            for req in reqs:
+                req.text_per_token = stream or bool(r.stop_strings)
+            ids = [engine.add(req) for req in reqs]
+            run.requests = [engine.request(i) for i in ids]
+            index = {rid: b for b, rid in enumerate(ids)}
+            run.stats.prompt_tokens = sum(len(x) for x in prompts)
+            yield from self._steps(engine, run, index, _now())
+        finally:  # (a refused prompt too: the cache goes back untouched)
             self._keep_kv(engine)
 
     def _steps(self, engine: Engine, run: _Run, index: dict, t0: float):
@@ -539,17 +538,21 @@ class Decoder:
         last such call's, kept with its buffers, capacity and bound calls, which a new cache makes
         again (~1 ms a request on the 19M model: two bound calls, a growth of the buffers). Only where
         every call of one sequence runs the one-sequence graph, whose attention reads each row's own
-        length: a capacity left above the length by a longer earlier request costs memory, not time
-        (the base's attention reads every column of the capacity)."""
+        length: a capacity left above the length by a longer earlier request costs memory, not time,
+        and the earlier request's columns are never read (the base's attention reads every column of
+        the capacity, masked; a one-token prefill padded to ``min_rows`` runs it)."""
         with self._spare_lock:
             kv, self._kv_spare = self._kv_spare, None
         return kv
 
     def _keep_kv(self, engine: Engine) -> None:
-        """Keep ``engine``'s cache for the next call where :meth:`_spare_kv` may lend it: idle, and at most
-        SPARE_KV_BYTES (one spare: a later call's replaces it; concurrent calls make their own)."""
+        """Keep ``engine``'s cache for the next call where :meth:`_spare_kv` may lend it: idle, with its
+        bound calls only (not the prefill's binding and its outputs), all of it at most SPARE_KV_BYTES
+        (one spare: a later call's replaces it; concurrent calls make their own)."""
         kv = engine.kv
-        if engine.keep_kv and kv.n == 0 and kv.temp == 0 and kv.allocated_bytes <= SPARE_KV_BYTES:
+        if not (engine.keep_kv and kv.n == 0 and kv.temp == 0):
+            return
+        if kv.allocated_bytes + InPlaceRun.keep_bound_only(kv) <= SPARE_KV_BYTES:
             with self._spare_lock:
                 self._kv_spare = kv
 

@@ -879,6 +879,7 @@ def test_generate_reuses_its_last_kv_cache_and_decodes_the_same(exports, monkeyp
     a batch never takes it; a cache past SPARE_KV_BYTES is not kept; an export without the
     one-sequence graph (whose attention reads every column of the capacity) keeps none."""
     from graphs import runtime
+    from graphs.errors import InputError
 
     out = exports["one-sequence"]
     fresh = {}
@@ -894,13 +895,23 @@ def test_generate_reuses_its_last_kv_cache_and_decodes_the_same(exports, monkeyp
         assert dec.generate([7, 8, 9], max_new_tokens=12, mode=mode).token_ids == fresh[mode]
         assert dec._kv_spare is kv and kv.capacity == long_capacity  # reused: no new buffers
     assert len(kv.bindings) >= bindings
+    # kept idle with its bound calls only: a prefill's binding holds its (prompt x vocabulary) outputs
+    assert all(key[0] == "bound" for calls in kv.bindings.values() for key in calls)
+    with pytest.raises(InputError):  # a refused prompt hands the cache back untouched
+        dec.generate([10**6], max_new_tokens=4)
+    assert dec._kv_spare is kv
+    dec.min_rows = 2  # one-token prefills padded into calls the base runs (reading every column): no lending
+    assert dec.generate([7, 8, 9], max_new_tokens=12, mode="autoregressive").token_ids == fresh["autoregressive"]
+    assert dec._kv_spare is kv and kv.n == 0
+    dec.min_rows = 1
     streamed = [t for ev in dec.stream([7, 8, 9], max_new_tokens=12, mode="speculative") for t in ev.token_ids]
     assert streamed == fresh["speculative"] and dec._kv_spare is kv
     batch = dec.generate([[7, 8, 9], [5, 6]], max_new_tokens=4)
     assert batch[0].token_ids == fresh["speculative"][:4] and dec._kv_spare is kv  # a batch made its own
-    monkeypatch.setattr(runtime, "SPARE_KV_BYTES", 0)
+    # the K/V buffers alone fit the bound, not with the bound calls' arrays: taken, not kept
+    monkeypatch.setattr(runtime, "SPARE_KV_BYTES", kv.allocated_bytes)
     dec.generate([7, 8, 9], max_new_tokens=4)
-    assert dec._kv_spare is None  # taken, too large to keep
+    assert dec._kv_spare is None
     no_gqa = graphs.load(exports["bsh"], provider="cpu")
     no_gqa.generate([7, 8, 9], max_new_tokens=4)
     assert no_gqa._kv_spare is None
