@@ -517,6 +517,8 @@ class Decoder:
             self._keep_kv(engine)
 
     def _steps(self, engine: Engine, run: _Run, index: dict, t0: float):
+        """The engine's steps until its requests finish, as StreamEvents (``index``: request id -> the
+        prompt's place in the batch); the run's stats, timed from ``t0``, on the last event."""
         stats = run.stats
         while engine.has_pending_requests():
             events = engine.step()

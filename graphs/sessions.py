@@ -328,6 +328,21 @@ def bind_in_place(io, buffers: dict) -> list:
     return values
 
 
+def bind_arrays(io, inputs: dict, outputs: dict) -> list:
+    """Bind numpy arrays (name -> array) as ``io``'s inputs and outputs: OrtValues sharing their memory
+    (CPU), so a call reads what is written into them and writes its outputs into them. Returns the
+    OrtValues, which must stay alive as long as the binding."""
+    values = []
+    for bind, arrays in ((io.bind_ortvalue_input, inputs), (io.bind_ortvalue_output, outputs)):
+        for name, arr in arrays.items():
+            if not arr.flags.c_contiguous:
+                raise ValueError(f"{name}: a bound array must be contiguous")
+            value = ort.OrtValue.ortvalue_from_numpy(arr)
+            values.append(value)
+            bind(name, value)
+    return values
+
+
 class BoundCall:
     """A call of S new tokens per row over the first n rows of a cache, bound to the session once
     (:meth:`InPlaceRun.bound_on`): OrtValues made over numpy arrays share their memory (CPU), so a
@@ -353,25 +368,15 @@ class BoundCall:
         self.outputs = {name: np.zeros((n, s, *dims), dtype=dtype) for name, dtype, dims in outputs}
         self._logit_rows = self.outputs[C.LOGITS].reshape(n * s, -1) if C.LOGITS in self.outputs else None
         self.io = session.io_binding()
-        self.values = []  # the OrtValues over the arrays above: alive as long as the binding
-        for name, arr in ((C.INPUT_IDS, self.ids), (C.POSITION_IDS, self.pos), (C.KV_WRITE, self.write),
-                          (C.ATTENTION_MASK, self.mask)):
-            self.io.bind_ortvalue_input(name, self._value(arr))
-        for name, arr in self.outputs.items():
-            self.io.bind_ortvalue_output(name, self._value(arr))
+        # the OrtValues over the arrays above and the K/V buffers: alive as long as the binding
+        self.values = bind_arrays(self.io, {C.INPUT_IDS: self.ids, C.POSITION_IDS: self.pos, C.KV_WRITE: self.write,
+                                            C.ATTENTION_MASK: self.mask}, self.outputs)
         self.values += bind_in_place(self.io, buffers)
 
     @property
     def nbytes(self) -> int:
         """Memory its own arrays hold (the K/V buffers it binds are the cache's)."""
         return sum(a.nbytes for a in (self.ids, self.pos, self.write, self.mask, *self.outputs.values()))
-
-    def _value(self, arr: np.ndarray):
-        if not arr.flags.c_contiguous:
-            raise ValueError("BoundCall: a bound array must be contiguous")
-        value = ort.OrtValue.ortvalue_from_numpy(arr)
-        self.values.append(value)
-        return value
 
     def step(self, roots, lens: np.ndarray) -> dict:
         """A plain step (S == 1): ``roots`` (n,) each at its row's length ``lens`` (n,)."""
@@ -441,12 +446,7 @@ class BoundArrays:
         self.inputs = {name: np.zeros(shape, dtype=dtype) for name, (shape, dtype) in inputs.items()}
         self.outputs = {name: np.zeros(shape, dtype=dtype) for name, (shape, dtype) in outputs.items()}
         self.io = session.io_binding()
-        self._values = []  # the OrtValues over the arrays: alive as long as the binding
-        for bind, arrays in ((self.io.bind_ortvalue_input, self.inputs), (self.io.bind_ortvalue_output, self.outputs)):
-            for name, arr in arrays.items():
-                value = ort.OrtValue.ortvalue_from_numpy(arr)
-                self._values.append(value)
-                bind(name, value)
+        self._values = bind_arrays(self.io, self.inputs, self.outputs)  # alive as long as the binding
 
     def run(self) -> dict:
         self.session.run_with_iobinding(self.io)

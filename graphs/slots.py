@@ -214,10 +214,8 @@ class SlotCache:
     def _compact(self, rows: np.ndarray, lens: np.ndarray, idx: np.ndarray, counts: np.ndarray) -> None:
         """Rows written in place at ``lens`` (node j at column lens + j): node ``idx[b, j]`` moves to
         column ``lens[b] + j`` for j < counts[b]. Nodes already in place (a prefill, a plain step, a
-        chain's accepted prefix) move nothing; the others are a few small copies per buffer."""
-        if rows.shape[0] == 1:
-            self._compact_one(int(rows[0]), idx[0], int(counts[0]))
-            return
+        chain's accepted prefix) move nothing; the others are a few small copies per buffer. (One row
+        alone: :meth:`_compact_one`.)"""
         keep = (np.arange(idx.shape[1])[None, :] < counts[:, None]) & (idx != np.arange(idx.shape[1])[None, :])
         b_loc, j = np.nonzero(keep)
         if b_loc.size:
