@@ -182,7 +182,8 @@ def read_gguf_info(path: Path) -> GgufInfo:
     try:
         reader = GGUFReader(path)
     except Exception as e:  # struct, numpy reshape and value errors: the file ends early or is garbled
-        raise UserError(f"{path} is truncated or damaged ({_one_line(e)}); download or convert it again") from None
+        raise UserError(f"{path} is truncated or damaged ({path.stat().st_size} bytes; the gguf package says "
+                        f"{_one_line(e)}); download or convert it again") from None
     size = path.stat().st_size
     end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
