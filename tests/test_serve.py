@@ -145,7 +145,7 @@ def test_tree_per_request(client, dec):
 @pytest.mark.parametrize(("extra", "param"), [
     ({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"), ({"presence_penalty": 0.5},
      "presence_penalty"), ({"best_of": 3}, "best_of"), ({"frobnicate": 1}, "frobnicate"),
-    ({"temperature": -1}, None), ({"top_p": 0}, None), ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"speculation": "maybe"}, "speculation"), ({"tree": "/etc/passwd"}, "tree"), ({"seed": -3}, "seed"),
     ({"stop": [""]}, "stop"), ({"top_k": 1.5}, "top_k"), ({"tree": [[0] * 9]}, None), ({"tree": [[0]] * 65}, "tree"),
     ({"prompt": ["a", "b"]}, "prompt"), ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -201,7 +201,11 @@ def test_metrics_use_vllms_names(server, client):
     assert metric(after, "specexport:engine_steps_total") > metric(before, "specexport:engine_steps_total")
     assert "specexport:plain_steps_total" in after and "vllm:num_requests_running" in after
     assert "vllm:num_requests_waiting" in after
-    assert 0 < metric(after, "specexport:worker_overhead_seconds") < metric(after, "specexport:engine_step_seconds")
+    # two running totals of seconds on the engine's thread: the request's steps added to the time inside
+    # step(); neither goes down. (Which is larger depends on the machine's load: not asserted.)
+    steps, overhead = "specexport:engine_step_seconds", "specexport:worker_overhead_seconds"
+    assert metric(after, steps) > metric(before, steps) >= 0
+    assert metric(after, overhead) >= metric(before, overhead) >= 0 and metric(after, overhead) > 0
 
 
 def test_curl_style_sse(server):

@@ -10,6 +10,10 @@ import sys
 from graphs.errors import InputError
 from graphs.serve.config import ServeConfig
 
+FD_RESERVE = 64  # descriptors kept for the server itself (graphs, logs, the event loop, threads): measured
+# about 25 for a loaded export
+log = logging.getLogger("graphs.serve")
+
 FLAGS = {  # field -> help (the dataclass holds the defaults and the long explanations)
     "host": "address to bind (default 127.0.0.1: loopback only)",
     "port": "port (default 8000; 0: a free one, printed at start)",
@@ -24,6 +28,16 @@ FLAGS = {  # field -> help (the dataclass holds the defaults and the long explan
     "api_key_file": "file holding the API key; /v1 routes then need 'Authorization: Bearer <key>' (default: no key)",
     "served_model_name": "model id in /v1/models and responses (default: the export directory's name)",
     "max_body_bytes": "largest request body; larger is a 413 (default 1 MiB)",
+    "max_messages": "chat messages a request may hold; more is a 400 (default 1024)",
+    "header_timeout": "seconds a connection may take to send a request's headers; then 408, closed (default 10)",
+    "body_timeout": "seconds a request may take to send its body after its headers; then 408, closed (default 30)",
+    "keep_alive_timeout": "seconds an idle keep-alive connection stays open (default 5)",
+    "max_connections": "open connections at most; one more gets a 503 and is closed (default 512, lowered to "
+                       "the open-file limit - 64)",
+    "graceful_timeout": "on SIGTERM: seconds in-flight requests may finish in; then each ends with an error "
+                        "body or error chunk + [DONE] (default 30)",
+    "prep_threads": "threads that render chat templates and tokenize long prompts (default 1)",
+    "prep_queue": "requests that may wait for them; beyond: 429 (default 8)",
     "prefill_chunk": "prompt tokens per prefill call (default 64)",
     "step_tokens": "token budget of one engine step (default 256)",
     "max_tree": "largest tree (nodes) a request may ask for (default 64)",
@@ -89,14 +103,48 @@ def main(argv=None) -> int:
     except (InputError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=level,
-                                           timeout_keep_alive=30, timeout_graceful_shutdown=30,
-                                           access_log=level == "debug"))
+    server = make_server(app, config, level)
     server.run()
     if failed:
         print(f"error: cannot serve {out_dir}: {failed[0]}", file=sys.stderr)
         return 2
     return 0
+
+
+def make_server(app, config: ServeConfig, level: str = "info"):
+    """uvicorn with the connection limits of graphs.serve.connections and a shutdown that ends the
+    requests still running with an error the client can read (ServerState.drain)."""
+    import uvicorn
+
+    from graphs.serve.connections import guarded_protocol
+
+    state = app.state.serve
+    http = guarded_protocol(config.header_timeout, config.body_timeout, connection_cap(config.max_connections),
+                            retry_after=config.retry_after, on_refuse=state.metrics.reject)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            state.drain(config.graceful_timeout)
+            await super().shutdown(sockets=sockets)
+
+    return Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=level, http=http,
+                                 timeout_keep_alive=config.keep_alive_timeout,
+                                 timeout_graceful_shutdown=config.graceful_timeout, access_log=level == "debug"))
+
+
+def connection_cap(wanted: int) -> int:
+    """``wanted``, or fewer where the process's open-file limit would run out first."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # not on this platform
+        return wanted
+    if soft == resource.RLIM_INFINITY or soft - FD_RESERVE >= wanted:
+        return wanted
+    cap = max(1, soft - FD_RESERVE)
+    log.warning("max_connections %d lowered to %d: the open-file limit is %d (ulimit -n)", wanted, cap, soft)
+    return cap
 
 
 if __name__ == "__main__":

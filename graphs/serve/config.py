@@ -35,7 +35,26 @@ class ServeConfig:
     served_model_name: str | None = None
     """The model id in /v1/models and responses (default: the export directory's name)."""
     max_body_bytes: int = 1 << 20
-    """Request bodies larger than this are refused (413)."""
+    """Request bodies larger than this are refused (413), from Content-Length and as the body arrives."""
+    max_messages: int = 1024
+    """Chat messages a request may hold (400 beyond), counted before any is read or rendered."""
+    header_timeout: float = 10.0
+    """Seconds a connection may take to send a request's headers; then 408 and closed (uvicorn has
+    no such timeout: a slowloris holds a connection forever)."""
+    body_timeout: float = 30.0
+    """Seconds a request may take to send its body once its headers are in; then 408 and closed."""
+    keep_alive_timeout: float = 5.0
+    """Seconds an idle keep-alive connection stays open between requests (uvicorn's timeout_keep_alive)."""
+    max_connections: int = 512
+    """Open connections at most; one more is answered 503 and closed at once. Lowered at start to
+    leave 64 descriptors of the process's open-file limit to the server itself."""
+    graceful_timeout: float = 30.0
+    """On SIGTERM/SIGINT: seconds in-flight requests may take to finish; then each ends with an
+    error (a stream: an error chunk and [DONE]; otherwise an OpenAI error body, 503)."""
+    prep_threads: int = 1
+    """Threads that render chat templates and tokenize long prompts (off the event loop)."""
+    prep_queue: int = 8
+    """Requests that may wait for those threads; beyond them a 429 with Retry-After."""
     prefill_chunk: int = 64
     step_tokens: int = 256
     max_tree: int = 64
@@ -56,12 +75,19 @@ class ServeConfig:
     """Manifest check at load: "auto" (sha256 unless a proof record matches), True (always), False."""
 
     def __post_init__(self):
-        for name in ("max_running", "max_body_bytes", "prefill_chunk", "step_tokens", "max_tree", "retry_after"):
+        for name in ("max_running", "max_body_bytes", "prefill_chunk", "step_tokens", "max_tree", "retry_after",
+                     "max_messages", "max_connections", "prep_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.max_queue, int) or self.max_queue < 0:
-            raise InputError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
+        for name in ("max_queue", "prep_queue"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise InputError(f"{name} must be an int >= 0, got {v!r}")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "graceful_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
+                raise InputError(f"{name} must be a number of seconds in (0, 86400], got {v!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InputError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if self.request_timeout is not None and not self.request_timeout > 0:

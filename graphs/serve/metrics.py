@@ -10,7 +10,10 @@
     vllm:e2e_request_latency_seconds               arrival -> last token (histogram)
     vllm:num_requests_running / _waiting           requests holding a K/V row / queued for one (gauges)
     vllm:prompt_tokens_total, vllm:generation_tokens_total
-    vllm:request_success_total{finished_reason}    stop | length | abort | error
+    vllm:request_success_total{finished_reason}    stop | length | abort | error (a failed request, a
+                                                   deadline before its first token, a shutdown)
+    specexport:requests_rejected_total{reason}     refused before the engine: bad_request, auth,
+                                                   body_too_large, capacity, busy, internal, timeout, ...
     specexport:engine_steps_total                  engine steps (base forwards after prefill)
     specexport:plain_steps_total                   of them, steps where no row drafted (adaptive chose
                                                    plain decoding, or every row asked speculation off)
@@ -97,13 +100,25 @@ class Metrics:
         stats = ev.stats if ev.stats is not None else (live_req.stats if live_req is not None else None)
         if stats is not None:
             self._spec(h, stats)
-        if ev.finish_reason is not None:
-            self.success.labels(self.model, FINISH.get(ev.finish_reason, ev.finish_reason)).inc()
+        if ev.finish_reason is not None and self.finished(h, finished_reason(ev)):
             self._prompt_tokens.inc(h.prompt_tokens)
             self._e2e.observe(now - h.arrival)
             out = stats.new_tokens if stats is not None else 0
             if out > 1 and h.t_first is not None:
                 self._tpot.observe((now - h.t_first) / (out - 1))
+
+    def finished(self, h, reason: str) -> bool:
+        """Count a request's end once, whoever reports it first (the worker's event, or the app for an
+        error the worker delivers without observing it, a queue timeout, a shutdown); False if counted."""
+        if getattr(h, "finish_counted", False):
+            return False
+        h.finish_counted = True
+        self.success.labels(self.model, reason).inc()
+        return True
+
+    def reject(self, reason: str) -> None:
+        """A request refused before the engine saw it (the status's reason: see app.REJECT_REASONS)."""
+        self.rejected.labels(self.model, reason).inc()
 
     def _spec(self, h, st) -> None:
         seen = h.seen
@@ -146,6 +161,16 @@ class Metrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+def finished_reason(ev) -> str:
+    """vLLM's finished_reason of a last event: stop | length | abort, or error for a failure, an
+    unknown reason, or a deadline that passed before any token (the request waited in the queue: the
+    client gets a 503, not a 200)."""
+    reason = ev.finish_reason
+    if reason == "deadline" and not (ev.stats is not None and ev.stats.new_tokens):
+        return "error"
+    return FINISH.get(reason, "error")
 
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

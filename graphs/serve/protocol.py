@@ -18,20 +18,27 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import reprlib
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "deadline": "length", "cancelled": "abort"}
+TEMPERATURE_EPS = 1e-5  # a temperature in (0, this) is greedy, as vLLM's _SAMPLING_EPS: logits / 1e-310
+# overflow to inf, and no sampled distribution that sharp differs from the argmax anyway
+MAX_SEED = 2**63 - 1  # OpenAI's seed is an int64
+MAX_TOP_K = 2**31 - 1
+MAX_DEPTH = 32  # JSON nesting a request may reach (a valid one needs 5)
 
 
 class APIError(Exception):
     """An error answered in OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
 
     TYPES: ClassVar[dict] = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-                             503: "service_unavailable"}
+                             408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                             500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
@@ -48,6 +55,79 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param, code)
 
 
+class HugeInt:
+    """A JSON integer too long for Python to convert (over 4300 digits): no parameter accepts it."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")  # only a \u escape can put a surrogate in a str
+
+
+def loads(raw: bytes):
+    """The request body as JSON, or a 400 (not a 500) for anything unreadable: bad UTF-8 or JSON,
+    nesting past the parser's recursion, integers too long to convert, strings holding a lone
+    surrogate (which no UTF-8 tokenizer or response can encode), nesting deeper than MAX_DEPTH."""
+    try:
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError:
+            raise
+        except ValueError:  # "Exceeds the limit (4300 digits) for integer string conversion": read it again
+            body = json.loads(raw, parse_int=lambda d: int(d) if len(d) <= 1000 else HugeInt(len(d.lstrip("-"))))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)", code="invalid_json") from None
+    _check_tree(body, SURROGATE_ESCAPE.search(raw) is not None)
+    return body
+
+
+def _check_tree(body, strings: bool) -> None:
+    """Depth, and (``strings``: the raw body has a surrogate escape) every key and string encodable."""
+    stack = [(body, "", 1)]
+    while stack:
+        v, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad(f"the request body is nested too deeply at {path or 'the top'} (at most {MAX_DEPTH} levels)",
+                      path or None, "invalid_json")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                where = f"{path}.{k}" if path else k
+                if strings and not _encodable(k):
+                    where = f"{path}.{json.dumps(k)}" if path else json.dumps(k)
+                    raise bad(f"the key {json.dumps(k)} holds a lone surrogate (not valid Unicode text)", where,
+                              "invalid_unicode")
+                if isinstance(x, (dict, list)) or (strings and isinstance(x, str)):
+                    stack.append((x, where, depth + 1))
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                if isinstance(x, (dict, list)) or (strings and isinstance(x, str)):
+                    stack.append((x, f"{path}[{i}]", depth + 1))
+        elif isinstance(v, str) and not _encodable(v):
+            raise bad(f"{path or 'the body'} holds a lone surrogate (\\ud800-\\udfff alone is not valid Unicode "
+                      f"text); send UTF-8 text", path or None, "invalid_unicode")
+
+
+def _encodable(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def show(v) -> str:
+    """A client's value in an error message: short, whatever its size or depth."""
+    return reprlib.repr(v)
+
+
 @dataclass
 class Limits:
     """What the server allows a request (its flags)."""
@@ -57,6 +137,8 @@ class Limits:
     max_tokens: int | None = None  # ceiling of max_tokens (None: the room left in the context)
     max_stop: int = 16
     max_tree: int = 64  # nodes: a longer list of Medusa paths is refused before the engine's thread parses it
+    max_messages: int = 1024  # chat messages, counted before any is read
+    max_prompt_chars: int | None = None  # longer text cannot fit max_len tokens: refused before tokenizing
 
 
 @dataclass
@@ -138,6 +220,9 @@ def parse_chat(body, limits: Limits) -> tuple[Spec, list[dict]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > limits.max_messages:
+        raise bad(f"messages holds {len(messages)} messages; this server takes at most {limits.max_messages}",
+                  "messages", "too_many_messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -154,7 +239,7 @@ def parse_chat(body, limits: Limits) -> tuple[Spec, list[dict]]:
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise bad(f"{where}.content[{j}] is {kind!r}: only text content parts are supported",
+                    raise bad(f"{where}.content[{j}] is {show(kind)}: only text content parts are supported",
                               f"{where}.content")
                 texts.append(part["text"])
             content = "\n".join(texts)
@@ -179,7 +264,7 @@ def _check_keys(body, allowed: set) -> dict:
         raise bad(f"Unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
     unsupported = sorted(k for k, ok in DEFAULT_ONLY.items() if k in body and not ok(body[k]))
     if unsupported:
-        shown = ", ".join(f"{k}={json.dumps(body[k])[:40]}" for k in unsupported)
+        shown = ", ".join(f"{k}={json.dumps(body[k], default=repr)[:40]}" for k in unsupported)
         raise bad(f"not implemented by this server: {shown}; leave them out (or at their default)", unsupported[0],
                   "unsupported_parameter")
     return body
@@ -191,18 +276,19 @@ def _spec(kind, prompt, body, max_tokens, limits: Limits, add_special_tokens: bo
         raise APIError(404, f"The model `{model}` does not exist; this server serves `{limits.model}`", "model",
                        "model_not_found")
     params: dict = {}
-    if "temperature" in body and body["temperature"] is not None:
-        params["temperature"] = _number(body, "temperature")
-    if "top_p" in body and body["top_p"] is not None:
-        params["top_p"] = _number(body, "top_p")
+    if body.get("temperature") is not None:
+        t = _number(body, "temperature", ">= 0 (0: greedy)", lambda x: x >= 0)
+        params["temperature"] = 0.0 if t < TEMPERATURE_EPS else t
+    if body.get("top_p") is not None:
+        params["top_p"] = _number(body, "top_p", "in (0, 1]", lambda x: 0 < x <= 1)
     if body.get("top_k") is not None:
         k = body["top_k"]
-        if not _is_int(k) or k < -1:
-            raise bad(f"top_k must be an int >= -1 (-1 or 0: off), got {k!r}", "top_k")
+        if not _is_int(k) or not -1 <= k <= MAX_TOP_K:
+            raise bad(f"top_k must be an int in [-1, {MAX_TOP_K}] (-1 or 0: off), got {show(k)}", "top_k")
         params["top_k"] = max(int(k), 0)
     if body.get("seed") is not None:
-        if not _is_int(body["seed"]) or body["seed"] < 0:
-            raise bad(f"seed must be an int >= 0, got {body['seed']!r}", "seed")
+        if not _is_int(body["seed"]) or not 0 <= body["seed"] <= MAX_SEED:
+            raise bad(f"seed must be an int in [0, 2**63 - 1], got {show(body['seed'])}", "seed")
         params["seed"] = int(body["seed"])
     stop = body.get("stop")
     if stop is not None:
@@ -220,7 +306,7 @@ def _spec(kind, prompt, body, max_tokens, limits: Limits, add_special_tokens: bo
             params["eos_token_id"] = []
     if body.get("speculation") is not None:
         if body["speculation"] not in ("on", "off", "adaptive"):
-            raise bad(f"speculation must be \"on\", \"off\" or \"adaptive\", got {body['speculation']!r}",
+            raise bad(f"speculation must be \"on\", \"off\" or \"adaptive\", got {show(body['speculation'])}",
                       "speculation")
         params["speculation"] = body["speculation"]
     if body.get("tree") is not None:
@@ -234,7 +320,7 @@ def _spec(kind, prompt, body, max_tokens, limits: Limits, add_special_tokens: bo
         params["tree"] = tree
     if body.get("acceptance") is not None:
         if body["acceptance"] not in ("lossless", "typical"):
-            raise bad(f"acceptance must be \"lossless\" or \"typical\", got {body['acceptance']!r}", "acceptance")
+            raise bad(f"acceptance must be \"lossless\" or \"typical\", got {show(body['acceptance'])}", "acceptance")
         params["acceptance"] = body["acceptance"]
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
@@ -256,17 +342,24 @@ def _max_tokens(body, key: str, limits: Limits) -> int | None:
     if v is None:
         return None
     if not _is_int(v) or v < 1:
-        raise bad(f"{key} must be an int >= 1, got {v!r}", key)
+        raise bad(f"{key} must be an int >= 1, got {show(v)}", key)
     if limits.max_tokens is not None and v > limits.max_tokens:
         raise bad(f"{key} {v} is over this server's ceiling of {limits.max_tokens}", key)
     return int(v)
 
 
-def _number(body, key: str) -> float:
+def _number(body, key: str, what: str, ok) -> float:
     v = body[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad(f"{key} must be a number, got {v!r}", key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or not ok(v):
+        raise bad(f"{key} must be a finite number {what}, got {show(v)}", key)
     return float(v)
+
+
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def _is_int(v) -> bool:
