@@ -59,7 +59,9 @@ sampling) measured (:meth:`Planner.prior`); costs are the machine's and carry fr
 from __future__ import annotations
 
 import bisect
+import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +71,9 @@ from graphs.trees import HEAD_DECAY, RANK_DECAY, TOP1, Tree
 _ROOT_ONLY = Tree.from_parents([-1])
 COLD_SKIPS = 16  # Costs: cold measurements of a size left out in a row before they are folded in
 OUTLIER = 2.0  # Costs: a measurement is averaged in as at most this many times the average
+# A server runs for days: what the policy keeps must not grow with the requests it served.
+HISTORY_WINDOW = 4096  # Planner.history: the widths of the last steps (amortized trim at twice this)
+PRIORS_MAX = 256  # Priors: settings whose mean gains are kept, the least recently used forgotten
 
 # how a row takes part in a step (Planner.plan)
 IDLE, SPEC_OFF, SPEC_ON, SPEC_ADAPTIVE = 0, 1, 2, 3
@@ -395,6 +400,33 @@ class Costs:
         return c
 
 
+class Priors(OrderedDict):
+    """The mean gains per setting (tree, sampling settings) that requests of that setting start from:
+    at most ``limit`` settings, the least recently used forgotten (a client choosing a new
+    temperature per request would otherwise grow it for ever; a forgotten setting only starts cold).
+    Shared by a decoder's engines (threads): a lock around each use."""
+
+    def __init__(self, items=(), limit: int = PRIORS_MAX):
+        self.limit, self._lock = limit, threading.Lock()
+        super().__init__()
+        for k, v in dict(items).items():
+            self[k] = v
+
+    def get(self, key, default=None):
+        with self._lock:
+            if key not in self:
+                return default
+            self.move_to_end(key)
+            return super().__getitem__(key)
+
+    def __setitem__(self, key, value) -> None:
+        with self._lock:
+            super().__setitem__(key, value)
+            self.move_to_end(key)
+            while len(self) > self.limit:
+                self.popitem(last=False)
+
+
 class Planner:
     """Picks each step's width for the whole batch (module doc). One per engine, used by its thread."""
 
@@ -407,7 +439,7 @@ class Planner:
         self.due = self.wait  # plain steps before the next probe: the wait, or longer where drafting is far from paying
         self.probing = False  # the last step was a probe
         self.last_width = 1
-        self.history: list[int] = []  # the width of every planned step (for stats and tests)
+        self.history: list[int] = []  # the widths of the last planned steps (tests; HISTORY_WINDOW)
         self._reuse = 0  # plain steps left that reuse the last plain decision without deciding
         self._fast_left = 0  # drafted steps left that reuse the last full-tree decision (it clearly paid)
         self._probe_left = 0  # drafted steps left of a probe (AdaptiveConfig.probe_steps)
@@ -415,7 +447,8 @@ class Planner:
         self._reused_for = None  # (modes, full) that decision was made for
         self._clear = False  # the last decision was the full trees, by fast_margin or more
         self.fast = False  # this step reuses a clearly paying full-tree decision (gains need no update)
-        self._priors: dict = priors if priors is not None else {}  # setting -> (mean gains (T,), observations)
+        # setting -> (mean gains (T,), observations); a decoder's, shared on purpose
+        self._priors: dict = priors if priors is not None else Priors()
 
     # ---------------------------------------------------------------- carry
 
@@ -424,7 +457,7 @@ class Planner:
         if costs is not None:
             self.costs = costs.copy()
         if priors:
-            self._priors = {k: (g.copy(), n) for k, (g, n) in priors.items()}
+            self._priors = Priors((k, (g.copy(), n)) for k, (g, n) in list(priors.items()))
         return self
 
     def prior(self, key) -> np.ndarray | None:
@@ -494,7 +527,7 @@ class Planner:
                 self._reuse, self._reused_for = every - 1, key
             elif self._clear:
                 self._fast_left, self._reused_for = self.cfg.recheck_every - 1, key
-        self.history.append(width)
+        self._record(width)
         self.last_width = width
         sizes = [0 if m == IDLE else t if m == SPEC_ON else min(width, t) if m == SPEC_ADAPTIVE else 1
                  for m, t in zip(modes, full)]
@@ -616,7 +649,12 @@ class Planner:
         self._reuse -= 1
         self.plain_run += 1
         self.fast = False
-        self.history.append(1)
+        self._record(1)
+
+    def _record(self, width: int) -> None:
+        self.history.append(width)
+        if len(self.history) > 2 * HISTORY_WINDOW:
+            del self.history[:-HISTORY_WINDOW]
 
     def end_fast(self) -> None:
         """A draft was wholly rejected inside a reused full-tree window: decide afresh next step."""

@@ -26,6 +26,11 @@ plain steps back to back (``EngineConfig.plain_run_s``; :meth:`Engine._plain_ste
 it would be alone; the run ends at an end token, a stop string, an arrival, a cancel, a deadline,
 :meth:`Engine.interrupt`, and its tokens come in one event per request.
 
+Errors: what one request's own work raises inside a step (its sampling, stop strings, text) ends
+that request alone, with ``finish_reason="error"`` and the exception on its event (``RequestEvent.
+error``); the step goes on for the others. Only a failure of what the batch shares (a graph call,
+the K/V) leaves :meth:`Engine.step`.
+
 Per-request state lives in the :class:`Request`: tokens, K/V row, drafter state, sampler (its own
 seed), parameters, speculation switch, gains and statistics. What the engine shares between requests
 is what the machine measured (the costs of its calls and the mean gains per setting).
@@ -68,6 +73,9 @@ WAITING, PREFILL, DECODING, DONE = "waiting", "prefill", "decoding", "done"
 # fill, not to their whole length at once); a tiny model's 0.1 ms steps fill plain_run_s with fewer.
 PLAIN_RUN_MAX = 64
 _MODES = {"off": SPEC_OFF, "on": SPEC_ON, "adaptive": SPEC_ADAPTIVE}
+# Per-step accepted lengths an engine's totals keep (Stats.accepted): a server's engine lives for
+# days; the histogram (Stats.accepted_counts) and so the mean stay exact over every step.
+ACCEPTED_WINDOW = 4096
 
 
 @dataclass
@@ -148,18 +156,22 @@ class Request:
     detok: object = None
     text_per_token: bool = True  # the text follows each token (streams, stop strings); else decoded at the end
     t_added: float = 0.0
+    error: BaseException | None = None  # what ended it with finish_reason "error" (Engine._request_failed)
 
 
 class Engine:
     """Continuous batching over one decoder's sessions (see the module doc)."""
 
     def __init__(self, decoder, config: EngineConfig | None = None, planner: Planner | None = None,
-                 kv: SlotCache | None = None, keep_kv: bool = False):
+                 kv: SlotCache | None = None, keep_kv: bool = False, full_stats: bool = False, first_id: int = 0):
         """``kv``: an idle cache of an earlier engine of this decoder to reuse (its buffers, capacity and
         bindings: :meth:`graphs.runtime.Decoder.generate` lends its last one), taken where it fits this
         engine (as many rows, no row occupied, a capacity within this engine's budget), else a new one
         is made. ``keep_kv``: keep the K/V memory when no request is left (for a caller that lends it
-        on); by default an engine gives it back then (a server's engine between bursts)."""
+        on); by default an engine gives it back then (a server's engine between bursts). ``full_stats``:
+        ``totals.accepted`` keeps every step's entry (a generate batch: bounded by its requests), else the
+        last ACCEPTED_WINDOW. ``first_id``: the first request id (an engine rebuilt after a failure
+        starts past its predecessor's, so a late cancel of an old id never ends a new request)."""
         self.dec = decoder
         self.config = cfg = config or EngineConfig()
         self.max_len = min(cfg.max_len or 2048, decoder.max_positions)
@@ -189,20 +201,20 @@ class Engine:
         # runs cold, its costs not folded into the planner's (graphs.adaptive.Costs)
         self._last_call = "prefill"
         self.totals = Stats()  # every step of this engine (a batch's stats for generate)
+        self.full_stats = full_stats
         self._rows: list[Request] = []  # occupied rows, index = slot
         self._waiting: deque[Request] = deque()
         self._by_id: dict[int, Request] = {}
         self._removed: list[RequestEvent] = []  # finish events of requests removed between steps
         self._incoming: deque[Request] = deque()  # added since the last step (any thread)
         self._cancels: list[int] = []  # removed while a step ran: applied before it returns
-        self._ids = itertools.count()
+        self._ids = itertools.count(first_id)
         self._lock = threading.RLock()  # held by a step (and by changes to the rows)
         self._in_lock = threading.Lock()  # the incoming queue, cancels and the id table: never held long
         self._stepping = False
         self._finished = False  # a request finished since the last _retire (its row, if any, to free)
         self._deadlines = False  # a request with a deadline was added (_expire has something to check)
         self._interrupt = False  # interrupt(): end the plain run in progress
-        self._failed = None  # an error inside a run, raised by the next step (after the run's tokens)
 
     # ------------------------------------------------------------------ requests
 
@@ -301,9 +313,6 @@ class Engine:
                 raise RuntimeError("Engine.step is not reentrant: drive it from one thread")
             self._stepping = True
             try:
-                if self._failed is not None:
-                    failed, self._failed = self._failed, None
-                    raise failed
                 self._take_commands()
                 events, self._removed = self._removed, []
                 self._expire(events)
@@ -407,7 +416,11 @@ class Engine:
             row_out = {k: v[j : j + 1] for k, v in out.items() if not k.startswith("present.")}
             root = None
             if end == len(req.prompt):
-                root = req.sampler.token(out[C.LOGITS][j, c - 1])
+                try:
+                    root = req.sampler.token(out[C.LOGITS][j, c - 1])
+                except Exception as e:  # this request's own (non-finite logits in its row, ...)
+                    self._request_failed(req, e)
+                    continue
                 req.root, req.position, req.state = root, end, DECODING
                 req.stats.time_to_first_token = time.perf_counter() - req.t_added
             t_draft = self._proposer(req).prefilled(req, req.slot, row_out, start, end, root)
@@ -458,7 +471,11 @@ class Engine:
             if req is None:
                 continue
             tree, cand = proposals[b]
-            accepted[b], bonus[b] = req.sampler.accept(tree, cand, logits[b, : tree.size])
+            try:
+                accepted[b], bonus[b] = req.sampler.accept(tree, cand, logits[b, : tree.size])
+            except Exception as e:  # this request's own: it ends, its row keeps nothing of this step
+                self._request_failed(req, e)
+                live[b] = None
         counts = [0 if a is None else len(a) for a in accepted]
         m = max(max(counts), 1)
         idx = np.array([[0] * m if a is None else a + [0] * (m - len(a)) for a in accepted], dtype=np.int64)  # (n, m)
@@ -549,20 +566,15 @@ class Engine:
             t_verify += t1 - t0
             if not steps:
                 t_first = t1 - t0
-            try:
-                if greedy:
+            row = None
+            if greedy:
+                with contextlib.suppress(NonFiniteLogitsError):  # (a row's: found by its sampler below)
                     row = call.greedy().tolist()
                     ends = not eos.isdisjoint(row) and any(t in r.eos for t, r in zip(row, live))
-                else:
-                    row, ends = self._plain_tokens(live, out[C.LOGITS], roots, tree, by_token, said)
-                    call.ids[:, 0] = row
-            except NonFiniteLogitsError as e:
-                if not steps:
-                    raise
-                # the steps before it stand: the run ends there and says their tokens, the next step
-                # raises (a call that computes the failed step again would fail the same way)
-                self._failed = e
-                break
+            if row is None:
+                # a row whose sampling fails ends alone (_request_failed) and the run with it
+                row, ends = self._plain_tokens(live, out[C.LOGITS], roots, tree, by_token, said)
+                call.ids[:, 0] = row
             got.append(row)
             steps += 1
             # a row that ends, a request that arrives or is cancelled (here or in a caller's queue:
@@ -592,7 +604,7 @@ class Engine:
         self._count_step(False, t_verify, 0.0, 0, steps)
         events = []
         for b, req in enumerate(live):
-            if req is None:
+            if req is None or req.error is not None:  # (a failed row: its run's tokens are dropped)
                 continue
             req.stats.plain_steps += steps
             if watchers:
@@ -617,11 +629,15 @@ class Engine:
         path's one-node acceptance does (greedy: the argmax; sampled: the same random stream); rows
         with stop strings grow their text (``said[b]``: their events). Returns (tokens, a row ended)."""
         row, ends = [0] * len(live), False
-        for b, req in enumerate(live):  # every row's token first: a row that fails leaves none emitted
+        for b, req in enumerate(live):  # every row's token first
             if req is not None:
-                row[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
+                try:
+                    row[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
+                except Exception as e:  # this request's own: it ends alone, its row feeds a 0 until the run ends
+                    self._request_failed(req, e)
+                    ends = True
         for b, req in enumerate(live):
-            if req is None:
+            if req is None or req.error is not None:
                 continue
             if by_token[b]:
                 ev = self._emit(req, [row[b]])
@@ -678,8 +694,8 @@ class Engine:
         st = req.stats
         st.steps += len(accepted)
         st.time_verify += t_verify
-        st.accepted += accepted
-        self.totals.accepted += accepted
+        st.add_accepted(accepted)
+        self.totals.add_accepted(accepted, None if self.full_stats else ACCEPTED_WINDOW)
         req.position += sum(accepted)
         req.root = toks[-1]
         return self._emit(req, toks) if emit else None
@@ -691,7 +707,15 @@ class Engine:
         return min(req.max_new, self.max_len - len(req.prompt))
 
     def _emit(self, req: Request, toks: list[int]):
-        """Append accepted tokens: eos, stop strings, length; the event (None if nothing to say)."""
+        """Append accepted tokens: eos, stop strings, length; the event (None if nothing to say). A
+        failure of the request's own text or stop strings ends it alone (:meth:`_request_failed`)."""
+        try:
+            return self._emit_tokens(req, toks)
+        except Exception as e:
+            self._request_failed(req, e)
+            return None
+
+    def _emit_tokens(self, req: Request, toks: list[int]):
         if req.done:
             return None
         dec = self.dec
@@ -735,6 +759,16 @@ class Engine:
         if toks or new_text or req.done:
             return RequestEvent(req.id, toks, new_text, req.done, req.stats if req.done else None)
         return None
+
+    def _request_failed(self, req: Request, error: BaseException) -> None:
+        """Its own sampling, stop strings or text raised: this request alone ends, with finish_reason
+        "error" and ``error`` on its event; its row is freed by the step's :meth:`_retire`. Only a
+        failure of a call the batch shares (a graph, the K/V) leaves :meth:`step` and fails them all."""
+        if req.state == DONE:
+            return
+        req.error = error
+        self._finish(req, "error")
+        self._removed.append(RequestEvent(req.id, [], "", "error", req.stats, error=error))
 
     def _finish(self, req: Request, reason: str) -> None:
         req.done = reason

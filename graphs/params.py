@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from graphs.errors import InputError, InputTypeError
+from graphs.sampling import MIN_TEMPERATURE
 
 MODES = ("auto", "speculative", "autoregressive")
 SPECULATION = ("on", "off", "adaptive")
@@ -55,7 +56,8 @@ class GenerationParams:
     do_sample: bool | None = None
     """False: greedy, exactly the base's greedy tokens. True: sample from the base distribution."""
     temperature: float | None = None
-    """Sampling temperature (default 1.0 when sampling); 0 means greedy."""
+    """Sampling temperature (default 1.0 when sampling); 0, or any value below
+    ``graphs.sampling.MIN_TEMPERATURE`` (1e-5: a subnormal one would divide the logits to inf), means greedy."""
     top_p: float | None = None
     """Nucleus sampling mass in (0, 1] (default 1.0 = off)."""
     top_k: int | None = None
@@ -162,13 +164,13 @@ class GenerationParams:
         if self.do_sample is not None:
             do_sample = self.do_sample
         elif self.temperature is not None:  # ours: an explicit temperature alone decides
-            do_sample = self.temperature > 0
+            do_sample = self.temperature >= MIN_TEMPERATURE
         else:
             do_sample = bool(d.do_sample)
         temperature = pick("temperature")
         temperature = (1.0 if temperature is None else temperature) if do_sample else 0.0
-        if do_sample and temperature == 0:
-            do_sample = False  # HF raises on this combination; here temperature 0 simply means greedy
+        if do_sample and temperature < MIN_TEMPERATURE:
+            do_sample, temperature = False, 0.0  # HF raises on temperature 0; here it (or a tinier one) means greedy
         top_p, top_k = pick("top_p"), pick("top_k")
         eos = self.eos_token_id if self.eos_token_id is not None else d.eos_token_id
         sources = {n: source(n) for n in ("max_new_tokens", "max_length", "do_sample", "temperature", "top_p",
@@ -314,7 +316,9 @@ def _opt_int(name: str, value, minimum: int, what: str = ""):
         return None
     if not _is_id(value) or value < minimum:
         got = f"{type(value).__name__} {value!r}" if not _is_id(value) else str(value)
-        fix = f"; e.g. {name}={max(minimum, round(value))}" if isinstance(value, float) and math.isfinite(value) else ""
+        # (no suggestion for a float too large to mean a count: 1e308 would print 309 digits)
+        fix = (f"; e.g. {name}={max(minimum, round(value))}"
+               if isinstance(value, float) and math.isfinite(value) and abs(value) < 1e15 else "")
         raise InputError(f"{name} must be {what or f'an int >= {minimum}'}, got {got}{fix}")
     return int(value)
 

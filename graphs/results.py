@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphs.errors import InputError
-from graphs.sampling import check_finite, greedy_accept, process_logits, sample_accept, typical_accept
+from graphs.sampling import (
+    MIN_TEMPERATURE,
+    check_finite,
+    greedy_accept,
+    process_logits,
+    sample_accept,
+    typical_accept,
+)
 from graphs.trees import Tree
 
 
@@ -17,7 +24,9 @@ class Stats:
     new_tokens: int = 0
     steps: int = 0  # base forwards after prefill
     plain_steps: int = 0  # of them, forwards that verified no drafted token (autoregressive; adaptive fallback)
-    accepted: list[int] = field(default_factory=list)  # tokens emitted per (step, live sequence)
+    accepted: list[int] = field(default_factory=list)  # tokens emitted per (step, live sequence); an
+    # engine's totals keep the last ACCEPTED_WINDOW only (graphs.engine), the histogram below all of them
+    accepted_counts: list[int] = field(default_factory=list)  # [k]: entries of ``accepted`` equal to k, exact
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_verify: float = 0.0
@@ -28,9 +37,30 @@ class Stats:
     accepted_drafts: int = 0  # of them, accepted (tokens emitted per drafted step, less the bonus)
     accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafted steps that accepted > k drafts
 
+    def add_accepted(self, lengths: list[int], window: int | None = None) -> None:
+        """Steps that emitted ``lengths`` tokens each: the list (its last ``window`` entries kept, None:
+        all) and the exact histogram."""
+        self.accepted += lengths
+        if window is not None and len(self.accepted) > 2 * window:  # amortized: trimmed once per window
+            del self.accepted[:-window]
+        counts = self.accepted_counts
+        for k in lengths:
+            if k >= len(counts):
+                counts += [0] * (k + 1 - len(counts))
+            counts[k] += 1
+
+    @property
+    def histogram(self) -> list[int]:
+        """[k]: steps that emitted k tokens, over every step (the list may hold the last ones only)."""
+        if self.accepted_counts or not self.accepted:
+            return list(self.accepted_counts)
+        return np.bincount(self.accepted).tolist()  # a Stats filled by hand
+
     @property
     def mean_accepted_length(self) -> float:
-        return float(np.mean(self.accepted)) if self.accepted else 0.0
+        h = self.histogram
+        n = sum(h)
+        return sum(k * c for k, c in enumerate(h)) / n if n else 0.0
 
     @property
     def speculative_steps(self) -> int:
@@ -54,7 +84,7 @@ class Stats:
             "plain_steps": self.plain_steps,
             "speculative_steps": self.speculative_steps,
             "mean_accepted_length": self.mean_accepted_length,
-            "accepted_histogram": np.bincount(self.accepted).tolist() if self.accepted else [],
+            "accepted_histogram": self.histogram,
             "tokens_per_s": self.tokens_per_s,
             "time_prefill": self.time_prefill,
             "time_draft": self.time_draft,
@@ -93,20 +123,24 @@ class RequestEvent:
     request_id: int
     token_ids: list[int]  # tokens accepted this step
     text: str  # their text ("" without a tokenizer)
-    finish_reason: str | None = None  # last event: "eos" | "stop" | "length" | "deadline" | "cancelled"
+    finish_reason: str | None = None  # last event: "eos" | "stop" | "length" | "deadline" | "cancelled" | "error"
     stats: Stats | None = None  # on the last event: the request's own statistics
+    error: BaseException | None = None  # finish_reason "error": what its own sampling, stop strings or text raised
 
 
 class Sampler:
-    """Greedy when temperature == 0; otherwise the base distribution after temperature/top-k/top-p."""
+    """Greedy when temperature < MIN_TEMPERATURE (0 included); otherwise the base distribution after
+    temperature/top-k/top-p."""
 
     def __init__(self, temperature, top_p, top_k, rng, acceptance):
-        if temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {temperature}")
+        if not temperature >= 0 or temperature == float("inf"):
+            raise InputError(f"temperature must be >= 0 and finite, got {temperature}")
         if not 0 < top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {top_p}")
         if top_k < 0:
             raise InputError(f"top_k must be >= 0, got {top_k}")
+        if temperature < MIN_TEMPERATURE:
+            temperature = 0.0  # (a subnormal one would divide the logits to inf)
         self.temperature, self.top_p, self.top_k, self.rng = temperature, top_p, top_k, rng
         self.acceptance = acceptance
 

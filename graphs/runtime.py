@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from graphs import contract as C
-from graphs.adaptive import AdaptiveConfig, Costs, Planner, RowGains, chain_ceiling, tree_ceiling
+from graphs.adaptive import AdaptiveConfig, Costs, Planner, Priors, RowGains, chain_ceiling, tree_ceiling
 from graphs.eagle_draft import DRAFT_MODES, baked_trees, choose_graph
 from graphs.engine import Engine, EngineConfig, Request
 from graphs.errors import ArtifactError, InputError, as_input_error
@@ -115,7 +115,7 @@ class Decoder:
         # what this machine measured, shared by every engine of this decoder (graphs.adaptive): call
         # costs and mean gains per setting; races between threads can only lose one average's update
         self.costs = Costs()
-        self.priors: dict = {}
+        self.priors = Priors()  # bounded: the PRIORS_MAX settings last used
         self._watch: list[list] = []  # watch_verify() record lists
         self._watch_lock = threading.Lock()
         self.drafter = m.drafter
@@ -175,10 +175,11 @@ class Decoder:
         if isinstance(self.base, LazySession):
             self.base.get()
 
-    def engine(self, config: EngineConfig | None = None) -> Engine:
+    def engine(self, config: EngineConfig | None = None, first_id: int = 0) -> Engine:
         """A serving engine on this decoder's sessions (:mod:`graphs.engine`): requests join and leave
-        at every step, each with its own parameters and speculation switch."""
-        return Engine(self, config)
+        at every step, each with its own parameters and speculation switch. ``first_id``: its first
+        request id (a server's engine rebuilt after a failure continues its predecessor's ids)."""
+        return Engine(self, config, first_id=first_id)
 
     def generate(self, prompt, params: GenerationParams | None = None, **overrides):
         """Decode ``prompt`` (a string, a list of token ids, or a list of either for a batch).
@@ -436,7 +437,8 @@ class Decoder:
                 req.tree_size = (self.manifest.graphs[req.tree_role].output(C.TREE_TOKENS).dims[1]
                                  if req.tree_role else req.tree["total_tokens"])
                 key = ("eagle", req.tree_role, req.tree["topk"], req.tree["depth"], req.tree["total_tokens"])
-            req.prior_key = (*key, p.temperature, p.top_p, p.top_k, p.acceptance)
+            # sampling settings rounded: 0.7 and 0.7000001 accept the same drafts
+            req.prior_key = (*key, round(p.temperature, 2), round(p.top_p, 2), p.top_k, p.acceptance)
             # on rows too: their expected tokens weigh in the batch's choice of width
             prior = self.priors.get(req.prior_key)
             ceiling = (tree_ceiling(req.tree) if self.kind == "medusa"
@@ -502,7 +504,7 @@ class Decoder:
         cfg = batch_config(self.manifest.source, self.dtype, len(prompts), longest, max(max_len, 2))
         # (see _spare_kv; with min_rows > 1 a one-token prefill is padded into a call the base runs)
         spare = len(prompts) == 1 and self._one_sequence is not None and self.min_rows == 1
-        engine = Engine(self, cfg, kv=self._spare_kv() if spare else None, keep_kv=spare)
+        engine = Engine(self, cfg, kv=self._spare_kv() if spare else None, keep_kv=spare, full_stats=True)
         try:
             r = Resolved(**{**p.__dict__, "max_new_tokens": new, "max_length": None})
             reqs = [self.new_request(x, r, engine.max_len, stream=b) for b, x in enumerate(prompts)]
@@ -522,13 +524,16 @@ class Decoder:
         stats = run.stats
         while engine.has_pending_requests():
             events = engine.step()
+            for e in events:  # a request's own failure (non-finite logits in its row, ...): the call's
+                if e.finish_reason == "error":
+                    raise e.error
             out = [StreamEvent(index=index[e.request_id], token_ids=e.token_ids, text=e.text,
                                finish_reason=e.finish_reason) for e in events]
             if not engine.has_pending_requests():  # the run's stats, once, after its last step
                 stats.time_total = _now() - t0
                 tot = engine.totals
-                for name in ("steps", "plain_steps", "accepted", "time_prefill", "time_draft", "time_verify",
-                             "draft_calls", "draft_tokens", "accepted_drafts", "accepted_per_pos"):
+                for name in ("steps", "plain_steps", "accepted", "accepted_counts", "time_prefill", "time_draft",
+                             "time_verify", "draft_calls", "draft_tokens", "accepted_drafts", "accepted_per_pos"):
                     setattr(stats, name, getattr(tot, name))
                 stats.new_tokens = sum(len(q.tokens) for q in run.requests)
                 if out:

@@ -15,6 +15,10 @@ import numpy as np
 from graphs.errors import InputError, NonFiniteLogitsError
 from graphs.trees import Tree
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a subnormal
+# temperature overflows to inf, and a distribution that sharp is the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+
 
 def check_finite(value) -> None:
     """Raise NonFiniteLogitsError if ``value`` (the largest logit of a row, or several) is nan or +inf.
@@ -69,23 +73,31 @@ def greedy_accept(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> tuple[l
 def process_logits(logits: np.ndarray, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
     """The base model's sampling distribution, float64 (..., V); the same order as HF's warpers.
 
-    1. temperature: ``logits / temperature`` (``temperature == 0``: one-hot at the argmax).
+    1. temperature: ``logits / temperature`` (``temperature < MIN_TEMPERATURE``: one-hot at the argmax).
     2. top_k (> 0): keep the tokens whose logit is >= the k-th largest (ties at the k-th kept).
     3. top_p (< 1): keep the smallest set of most probable tokens whose mass reaches ``top_p``,
        i.e. a token stays if the mass of the tokens ranked above it is < ``top_p``.
 
     Example, ``logits = log([.5, .3, .15, .05])``: ``top_k=2`` -> ``[.625, .375, 0, 0]``;
     ``top_p=.75`` -> ``[.625, .375, 0, 0]`` (mass above: 0, .5, .8, .95; keep while < .75).
+
+    Never nan for logits without nan/+inf (checked): the largest logit is subtracted before the
+    division, so every value is in [-inf, 0] and the largest is 0 whatever the temperature.
     """
-    if temperature < 0:
+    if not temperature >= 0:  # (nan too)
         raise InputError(f"process_logits: temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise InputError(f"process_logits: top_p must be in (0, 1], got {top_p}")
     x = np.asarray(logits, dtype=np.float64)  # (..., V)
-    check_finite(x.max(axis=-1))
-    if temperature == 0:
+    top = x.max(axis=-1, keepdims=True)  # (..., 1)
+    check_finite(top)
+    if np.isneginf(top).any():
+        raise NonFiniteLogitsError("the base graph returned -inf for every token of a row: no token can be "
+                                   "chosen; check the model in PyTorch or re-export with --dtype float32")
+    if temperature < MIN_TEMPERATURE:
         return (np.arange(x.shape[-1]) == np.argmax(x, axis=-1)[..., None]).astype(np.float64)
-    x = x / temperature
+    with np.errstate(over="ignore"):  # a finite logit far below the top may reach -inf: probability 0
+        x = (x - top) / temperature  # (..., V) in [-inf, 0], the top exactly 0
     if 0 < top_k < x.shape[-1]:
         kth = np.partition(x, -top_k, axis=-1)[..., -top_k, None]  # (..., 1) k-th largest logit
         x = np.where(x >= kth, x, -np.inf)
