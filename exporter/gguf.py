@@ -106,8 +106,9 @@ def resolve_gguf(path, *, root: Path | None = None, log=print) -> Path:
     if (done / SOURCE_FILE).is_file():
         log(f"gguf: reusing the converted GGUF in {done}", flush=True)
         return done
-    info = read_gguf_info(path)
-    model_type = check_gguf(info)
+    with _phase(f"checking the header of {path.name}", log):
+        info = read_gguf_info(path)
+        model_type = check_gguf(info)
     log(f"gguf: {path.name}: {info.architecture} ({model_type}), tensors "
         f"{', '.join(f'{n} x{c}' for n, c in info.tensor_types.items())}", flush=True)
     return _convert_into_cache(path, sha, root, log)
