@@ -445,7 +445,44 @@ def check_rows(path: Path, spec: C.GraphSpec, source: dict, opts: OptimizeOption
     elif single > limit:
         log(f"  [base] rows      one-token calls stay one row: a tree's path differs by {tree:.1e} anyway, so two "
             f"rows would not make every call agree (the bound counts both; --accuracy-level 0 is exact)")
+    set_contract(rec, rows_bound(single, [multi, tree], rec["min_rows"]), log, "the base graph's calls",
+                 fix="--accuracy-level 0 is exact" if quantized and opts.level("base") != 0 else "")
     return rec
+
+
+def set_contract(rec: dict, bound: float, log, what: str, fix: str = "") -> None:
+    """Record in the rows record ``rec`` which contract the runtime's calls keep, and say it when it is
+    not the exact one. ``bound``: :func:`rows_bound`, the most a token's logits move between the calls
+    the runtime makes. Within ``rec["limit"]`` the contract is ``"exact"`` (greedy speculative ==
+    greedy autoregressive, token for token); over it, ``"recorded bound"``: the two may part where the
+    base's top-2 margin is within twice the bound (a near-tie the calls' rounding resolves either way:
+    :func:`within_bound`), and ``exporter.bench`` prints that margin at each divergence. Over the
+    limit is never silent: ``over_limit`` names the figures past it, and a line says so (issue 36: a
+    0.83-logit one-row figure over a 1e-4 limit had passed with min_rows 1 and no word)."""
+    limit = rec["limit"]
+    figures = {"single_max_abs": rec["single_max_abs"] if rec.get("min_rows", 1) == 1 else 0.0,
+               "multi_max_abs": rec["multi_max_abs"], "tree_max_abs": rec["tree_max_abs"]}
+    for name in ("vs_base_max_abs", "vs_base_tree_max_abs", "one_sequence_single_max_abs",
+                 "one_sequence_tree_max_abs"):
+        if name in rec:
+            figures[name] = rec[name]
+    rec["bound"] = bound
+    rec["over_limit"] = sorted(k for k, v in figures.items() if v > limit)
+    rec["contract"] = "exact" if bound <= limit else "recorded bound"
+    if rec["contract"] == "exact":
+        return
+    worst = ", ".join(f"{k.removesuffix('_max_abs')} {figures[k]:.2g}" for k in rec["over_limit"])
+    log(f"  [base] rows      NOT EXACT ({what}): {worst} > limit {limit:g}: the contract is the recorded bound "
+        f"({bound:.3g} logits, rows_max_abs): greedy speculative output equals autoregressive except where "
+        f"the base's top-2 margin is within {2 * bound:.3g} (twice the bound; exporter.bench prints the margin "
+        f"at each divergence){'; ' + fix if fix else ''}")
+
+
+def within_bound(margin: float, bound: float) -> bool:
+    """Whether two calls whose logits differ by at most ``bound`` each (``rows_max_abs``) may pick
+    different top-1 tokens where one of them has top-2 ``margin``: a flip moves the difference of two
+    logits, each by at most ``bound``, so it needs ``margin <= 2 * bound``."""
+    return margin <= 2 * bound
 
 
 def pads_one_row(single: float, trees: float, limit: float) -> bool:
@@ -552,6 +589,12 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
     base["rows_max_abs"] = rows_bound(max(single, theirs_rec.get("single_max_abs", 0.0)),
                                       [theirs_rec.get("multi_max_abs", 0.0), theirs_rec.get("tree_max_abs", 0.0),
                                        multi, own_tree, cross_tree], min_rows, across=cross)
+    if rows_record is not None:  # the contract now covers both graphs' calls
+        rows_record.update({"one_sequence_single_max_abs": single if min_rows == 1 else 0.0,
+                            "one_sequence_tree_max_abs": own_tree, "vs_base_max_abs": cross,
+                            "vs_base_tree_max_abs": cross_tree, "min_rows": min_rows})
+        set_contract(rows_record, base["rows_max_abs"], log, "both graphs' calls",
+                     fix="--accuracy-level 0 is exact" if int8_activations(opts) else "")
     log(f"  [base] one-seq   vs raw{'' if strict else ' float32 (quantized: reported)'}: max |logits diff| "
         f"{worst:.2e}; rows: alone {single:.1e}, 2+ rows {multi:.1e}, a tree's path {own_tree:.1e}; vs the base "
         f"{cross:.1e}, a tree's path {cross_tree:.1e} ({'recorded' if int8_activations(opts) else f'limit {atol:g}'}; "

@@ -43,8 +43,31 @@ def copy_bandwidth(threads: int | None = None, mib: int = 256, repeats: int = 5)
     return 2 * src.nbytes / best
 
 
-def summarize(system, prompts_tokens: list[int], bandwidth: float | None) -> dict:
-    """One system's entry of the report (status and reason only, if it did not run)."""
+def _acceptance(runs: list, with_speed: bool = True) -> dict:
+    """tau (tokens per base forward), acceptance per draft position (the share of drafted steps that
+    accepted more than k drafts), and decode tokens/s of ``runs``."""
+    out: dict = {}
+    accepted = [a for r in runs for a in r.get("accepted") or []]
+    if accepted:
+        out["mean_accepted_length"] = float(np.mean(accepted))
+    steps = sum(r.get("speculative_steps", 0) for r in runs)
+    per_pos = [r.get("accepted_per_pos") or [] for r in runs]
+    if steps:
+        width = max(map(len, per_pos))
+        out["acceptance_per_position"] = [sum(p[k] for p in per_pos if k < len(p)) / steps for k in range(width)]
+    if with_speed:
+        decode_s = sum(r["decode_s"] for r in runs)
+        tokens = sum(max(len(r["tokens"]) - 1, 0) for r in runs)
+        out["decode_tokens_per_s"] = tokens / decode_s if decode_s > 0 else 0.0
+        out["runs"] = len(runs)
+    return out
+
+
+def summarize(system, prompts_tokens: list[int], bandwidth: float | None, categories: list[str] | None = None) -> dict:
+    """One system's entry of the report (status and reason only, if it did not run).
+
+    ``categories``: each prompt's category; where the prompts have them, ``by_category`` gives each
+    one's tokens/s and, for speculative systems, tau and acceptance per draft position."""
     entry = {"name": system.name, "family": system.family, "precision": system.precision, "status": system.status,
              "reason": system.reason or None, "peak_rss_bytes": system.peak_rss_bytes,
              "weight_bytes": system.info.get("weight_bytes"), "draft_bytes": system.info.get("draft_bytes"),
@@ -75,6 +98,10 @@ def summarize(system, prompts_tokens: list[int], bandwidth: float | None) -> dic
         "settle_ms_median": float(np.median(system.settle_s)) * 1e3 if system.settle_s else None,
         "time_split": None,
     })
+    if categories and any(categories):
+        entry["by_category"] = {c: _acceptance([r for r in runs if categories[r["_prompt"]] == c])
+                                for c in sorted(set(categories))}
+    entry.update(_acceptance(runs, with_speed=False))
     if all("verify_s" in r for r in runs) and decode_s > 0:
         draft = sum(r["draft_s"] for r in runs)
         verify = sum(r["verify_s"] for r in runs)
@@ -88,20 +115,27 @@ def summarize(system, prompts_tokens: list[int], bandwidth: float | None) -> dic
     return entry
 
 
-def greedy_check(systems: list, n_prompts: int) -> list[dict]:
+def greedy_check(systems: list, n_prompts: int, prompts: list | None = None, threads: int = 1) -> list[dict]:
     """Compare greedy tokens prompt by prompt: each system against ``must_equal`` (a mismatch is an
     error: same graphs, lossless decoding) and ``compare_to`` (reported only: other numerics).
 
-    Returns one row per compared pair: prompts equal, compared, and the first divergence."""
+    Returns one row per compared pair: prompts equal, compared, and the first divergence. With
+    ``prompts`` (each prompt's token ids), a ``must_equal`` pair that differs is judged by its graphs'
+    rows contract (:func:`rows_contract`) and its row gains ``contract``, ``divergences`` (each
+    divergent prompt's first differing token, both tokens, and the top-2 margin of the base's logits
+    there: :func:`base_margin`) and ``violations`` (the divergences the contract does not explain:
+    every one under the exact contract; under the recorded bound, those whose margin exceeds twice
+    the bound). :func:`greedy_lines` prints them, :func:`greedy_failures` counts what fails."""
     by_name = {s.name: s for s in systems}
     rows = []
+    margins: dict = {}  # out_dir -> decoder, made once per graph set
     for s in systems:
         for ref_name, must in ((s.must_equal, True), (s.compare_to, False)):
             ref = by_name.get(ref_name)
             if ref is None or s.status != "ok" or ref.status != "ok":
                 continue
             mine, theirs = _first_tokens(s, n_prompts), _first_tokens(ref, n_prompts)
-            equal, compared, first = 0, 0, None
+            equal, compared, first, parted = 0, 0, None, []
             for i in range(n_prompts):
                 if i not in mine or i not in theirs:
                     continue
@@ -109,12 +143,124 @@ def greedy_check(systems: list, n_prompts: int) -> list[dict]:
                 a, b = mine[i], theirs[i]
                 if a == b:
                     equal += 1
-                elif first is None:
-                    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    continue
+                at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                parted.append((i, at, a, b))
+                if first is None:
                     first = {"prompt": i, "token_index": at}
-            rows.append({"system": s.name, "reference": ref_name, "must_equal": must, "prompts_equal": equal,
-                         "prompts_compared": compared, "first_mismatch": first})
+            row = {"system": s.name, "reference": ref_name, "must_equal": must, "prompts_equal": equal,
+                   "prompts_compared": compared, "first_mismatch": first}
+            if must and parted and prompts is not None:
+                row.update(_judge(ref, parted, prompts, margins, threads))
+            rows.append(row)
     return rows
+
+
+def rows_contract(out_dir) -> dict | None:
+    """The rows contract an export's graphs keep (``exporter.optimizing.set_contract``): ``{"kind":
+    "exact" | "recorded bound", "bound": rows_max_abs, "limit": the gate's limit}``, from its manifest.
+    An export without a rows record (raw, or optimized without validation) is held to the exact
+    contract with bound 0. None where the manifest cannot be read."""
+    from graphs.manifest import Manifest
+
+    try:
+        m = Manifest.read(out_dir, verify=False)
+    except Exception:  # a peer's directory, a removed work copy: no contract to apply
+        return None
+    bound = float((m.optimization.get("base") or {}).get("rows_max_abs", 0.0))
+    rows = ((m.validation or {}).get("optimize") or {}).get("rows") or {}
+    limit = float(rows.get("limit", 1e-4))
+    return {"kind": "exact" if bound <= limit else "recorded bound", "bound": bound, "limit": limit}
+
+
+def base_margin(decoder, ids: list[int]) -> dict:
+    """The top-2 of the base's logits for the token after ``ids``: one causal prefill through the
+    decoder's base graph (the autoregressive step's logits are within the graphs' recorded bound of
+    these). Returns ``{"margin": top1 - top2, "top2": [top1 id, top2 id]}``."""
+    from graphs.kv import KVCache
+
+    src = decoder.manifest.source
+    kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], decoder.dtype, layout=decoder.kv_layout)
+    n = len(ids)
+    out = decoder.base_forward(kv, np.array([ids], dtype=np.int64), np.arange(n)[None],
+                               np.tril(np.ones((1, n, n), dtype=bool)))
+    last = out["logits"][0, -1].astype(np.float64)
+    top = np.argsort(last)[-2:][::-1]
+    return {"margin": float(last[top[0]] - last[top[1]]), "top2": [int(top[0]), int(top[1])]}
+
+
+def _judge(ref, parted: list, prompts: list, decoders: dict, threads: int) -> dict:
+    """Each divergence of a ``must_equal`` pair against the reference graphs' rows contract."""
+    from exporter.optimizing import within_bound
+
+    out_dir = (ref.spec or {}).get("out_dir")
+    contract = rows_contract(out_dir) if out_dir else None
+    divergences, violations = [], 0
+    for i, at, mine, theirs in parted:
+        d = {"prompt": i, "token_index": at, "token": mine[at] if at < len(mine) else None,
+             "reference_token": theirs[at] if at < len(theirs) else None, "margin": None, "top2": None,
+             "within_bound": False}
+        if contract is not None and d["token"] is not None and d["reference_token"] is not None:
+            try:
+                if out_dir not in decoders:
+                    import graphs
+
+                    decoders[out_dir] = graphs.load(out_dir, provider="cpu", threads=threads, adaptive=False)
+                d.update(base_margin(decoders[out_dir], list(prompts[i]) + list(theirs[:at])))
+            except Exception as e:  # reported, never fatal: the divergence stays unexplained
+                d["margin_error"] = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        if d["margin"] is not None and contract["kind"] == "recorded bound":
+            d["within_bound"] = within_bound(d["margin"], contract["bound"])
+        violations += not d["within_bound"]
+        divergences.append(d)
+    return {"contract": contract, "divergences": divergences, "violations": violations}
+
+
+def greedy_failures(rows: list[dict]) -> int:
+    """The compared pairs that fail: a ``must_equal`` pair with a divergence its contract does not
+    explain (without a contract judged, i.e. no ``violations`` key: any divergence)."""
+    return sum(1 for g in rows if g["must_equal"]
+               and g.get("violations", g["prompts_compared"] - g["prompts_equal"]) > 0)
+
+
+def greedy_lines(g: dict) -> list[str]:
+    """The printed lines of one greedy row: equal, or a mismatch with, where it was judged, the
+    contract and at each divergence the base's top-2 margin against twice the recorded bound (a near
+    tie the calls' rounding may resolve either way, or a bug)."""
+    pair = f"{g['system']} vs {g['reference']}"
+    n, equal = g["prompts_compared"], g["prompts_equal"]
+    if equal == n:
+        return [f"greedy tokens equal: {g['system']} = {g['reference']} on {n} prompts"]
+    first = g["first_mismatch"]
+    where = f"(first at prompt {first['prompt']}, token {first['token_index']})"
+    if not g["must_equal"]:
+        return [f"note: greedy tokens differ: {pair} on {n - equal}/{n} prompts {where}"]
+    if "divergences" not in g:
+        return [f"GREEDY MISMATCH: {pair} on {n - equal}/{n} prompts {where}"]
+    c = g["contract"]
+    if c is None:
+        terms = "no rows contract recorded"
+    elif c["kind"] == "exact":
+        terms = f"exact contract: rows bound {c['bound']:.3g} <= limit {c['limit']:g}"
+    else:
+        terms = (f"recorded-bound contract: rows bound {c['bound']:.3g} logits > limit {c['limit']:g}, so a "
+                 f"divergence is allowed where the base's top-2 margin <= {2 * c['bound']:.3g}")
+    head = ("GREEDY MISMATCH" if g["violations"] else "greedy tokens differ within the recorded bound")
+    lines = [f"{head}: {pair} on {n - equal}/{n} prompts ({terms})"]
+    for d in g["divergences"]:
+        at = f"  prompt {d['prompt']}, token {d['token_index']}: {d['token']} vs {d['reference_token']}"
+        if d["margin"] is None:
+            why = d.get("margin_error", "one output ended first" if d["token"] is None or
+                        d["reference_token"] is None else "no contract to judge it by")
+            lines.append(f"{at}; the base's top-2 margin unknown ({why}): not explained")
+            continue
+        tie = set(d["top2"]) == {d["token"], d["reference_token"]}
+        which = "the two tokens" if tie else f"tokens {d['top2'][0]} and {d['top2'][1]}"
+        verdict = ("a near tie within the recorded bound" if d["within_bound"] else
+                   "beyond the recorded bound: a bug" if c and c["kind"] == "recorded bound" else
+                   "the exact contract allows none: a bug")
+        lines.append(f"{at}; the base's top-2 margin there {d['margin']:.3g} logits ({which}): {verdict}")
+    return lines
 
 
 def _first_tokens(system, n_prompts: int) -> dict[int, list[int]]:
@@ -152,6 +298,21 @@ def line(e: dict, anchor: str | None = None) -> str:
             + (f" | {bw:.0%} of bandwidth" if bw is not None else "")
             + (f" | RSS {rss / 2**20:.0f} MiB" if rss else "")
             + (f" | {sp}" if sp else ""))
+
+
+def category_lines(report: dict) -> list[str]:
+    """tau and acceptance per draft position by prompt category, one line per (speculative system,
+    category); tokens/s per category for every system that ran."""
+    out = []
+    for e in report["systems"]:
+        cats = e.get("by_category") or {}
+        for c, a in cats.items():
+            tau = a.get("mean_accepted_length")
+            pos = a.get("acceptance_per_position")
+            out.append(f"{e['name']:>16} {c:>14}: {a['decode_tokens_per_s']:7.1f} tok/s"
+                       + (f" | tau {tau:.2f}" if tau and tau > 1.001 else "")
+                       + (" | accepted per position " + " ".join(f"{x:.2f}" for x in pos) if pos else ""))
+    return out
 
 
 def draw(report: dict, path) -> None:
