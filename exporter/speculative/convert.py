@@ -50,10 +50,19 @@ class SpeculativeModel:
             logits, hidden, aux_h, _ = base_forward(self, input_ids, position_ids, mask, None, aux)
         return logits, hidden, aux_h
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, base_features=None, **kwargs):
+        """Base logits; given ``labels``, the drafter's loss too. ``base_features``: what the drafter
+        reads, from a cache of the frozen base (:mod:`exporter.speculative.training`): the post-norm
+        hidden (B, L, H), or EAGLE-3's layers (B, L, n_aux*H); then the base does not run."""
         if labels is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        logits, hidden, aux = self.base_outputs(input_ids, attention_mask)
+        if base_features is not None:
+            eagle3 = self.spec_mode == "eagle" and self.eagle_module.eagle3
+            aux = base_features if eagle3 else None
+            # EAGLE-3 reads no post-norm hidden: a slice of the right width stands in for its shape
+            logits, hidden = None, base_features[..., : self.config.hidden_size] if eagle3 else base_features
+        else:
+            logits, hidden, aux = self.base_outputs(input_ids, attention_mask)
         valid = labels != -100
         if attention_mask is not None:
             valid = valid & attention_mask.bool()

@@ -162,42 +162,19 @@ def _masked_mean(x, valid):
     return (x * valid).sum() / valid.sum().clamp(min=1)
 
 
-def eagle_loss(module: EagleModule, cfg: EagleConfig, base, base_out, input_ids, valid):
-    """Drafter loss on one batch.
+def _ttt_unroll(module: EagleModule, cfg: EagleConfig, base, hidden_b, aux_b, input_ids, steps: int):
+    """EAGLE-3 training-time test: yields (j, n, logits (B, n, V_draft)) for drafting steps j < ``steps``.
 
-    base_out = (logits (B,L,V), hidden (B,L,H), aux (B,L,n_aux*H) | None) from the frozen base;
-    valid (B, L) bool: True where token t may be a prediction target.
-    EAGLE-1: smooth-L1(out_t, f_{t+1}) * w + 0.1 * CE(p_base(. | t+1), q_t).
-    EAGLE-3: sum over TTT steps j of decay**j * CE(p_base(. | t+j+1), q_t^(j)) where step j feeds the
-    drafter its own step j-1 output; a query attends the real context (step 0 keys at <= t) and its
-    own chain (the diagonal of steps 1..j) exactly as it will at inference.
-    """
-    logits_b, hidden_b, aux_b = base_out
+    Step j feeds the drafter its own step j-1 output; a query attends the real context (step 0 keys
+    at <= t) and its own chain (the diagonal of steps 1..j) exactly as it will at inference. Row t of
+    step j predicts x_{t+j+2}."""
     bsz, length = input_ids.shape
     m = length - 1  # anchors t = 0..L-2 (x_{t+1} must exist)
-    if m < 1:
-        return hidden_b.new_zeros((), dtype=torch.float32, requires_grad=True)
-    device = input_ids.device
-    t = torch.arange(m, device=device)
-    target_p = F.softmax(logits_b.float(), dim=-1)  # (B, L, V)
-    if module.eagle3 and module.lm_head.out_features != target_p.shape[-1]:
-        target_ids = torch.arange(module.lm_head.out_features, device=device) + module.d2t
-        target_p = target_p[..., target_ids]
-        target_p = target_p / target_p.sum(-1, keepdim=True).clamp(min=1e-9)
-
-    if not module.eagle3:
-        mask = (t[None, :] <= t[:, None]).expand(bsz, 1, m, m)
-        out, logits, _ = module.step(base, hidden_b[:, :m], input_ids[:, 1:], t.expand(bsz, m), mask)
-        reg = F.smooth_l1_loss(out.float(), hidden_b[:, 1:].float(), reduction="none").mean(-1)
-        ce = _soft_ce(logits, target_p[:, 1:])
-        reg_ok, ce_ok = _shifted(valid, 1, m), _shifted(valid, 2, m)
-        return cfg.eagle_hidden_loss_weight * _masked_mean(reg, reg_ok) + 0.1 * _masked_mean(ce, ce_ok)
-
-    total = hidden_b.new_zeros((), dtype=torch.float32)
+    t = torch.arange(m, device=input_ids.device)
     past = None
     prev_out = None
     sizes: list[int] = []
-    for j in range(cfg.eagle_ttt_steps):
+    for j in range(steps):
         n = m - j
         if n < 1:
             break
@@ -217,8 +194,101 @@ def eagle_loss(module: EagleModule, cfg: EagleConfig, base, base_out, input_ids,
         ]
         sizes.append(n)
         prev_out = out
+        yield j, n, logits
+
+
+def _hard_ce(module: EagleModule, logits, targets, ok):
+    """Cross-entropy against target token ids (B, n); targets outside the draft vocabulary are skipped."""
+    if module.eagle3:
+        t2d = torch.full((int(module.d2t.numel() + module.d2t.max().clamp(min=0)) + 1,), -1,
+                         dtype=torch.long, device=targets.device)
+        draft = torch.arange(module.d2t.numel(), device=targets.device)
+        t2d[draft + module.d2t] = draft
+        inside = targets < t2d.numel()
+        targets = torch.where(inside, t2d[targets.clamp(max=t2d.numel() - 1)], -1)
+        ok = ok & (targets >= 0)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.clamp(min=0).flatten(), reduction="none")
+    return _masked_mean(ce.view(targets.shape), ok)
+
+
+def eagle_loss(module: EagleModule, cfg: EagleConfig, base, base_out, input_ids, valid):
+    """Drafter loss on one batch.
+
+    base_out = (logits (B,L,V) | None, hidden (B,L,H), aux (B,L,n_aux*H) | None) from the frozen base;
+    valid (B, L) bool: True where token t may be a prediction target. Without logits (features from
+    a cache, on self-distilled text) the targets are the next tokens themselves: the base's argmax.
+    EAGLE-1: smooth-L1(out_t, f_{t+1}) * w + 0.1 * CE(p_base(. | t+1), q_t).
+    EAGLE-3: sum over TTT steps j (:func:`_ttt_unroll`) of decay**j * CE(p_base(. | t+j+1), q_t^(j)).
+    """
+    logits_b, hidden_b, aux_b = base_out
+    bsz, length = input_ids.shape
+    m = length - 1  # anchors t = 0..L-2 (x_{t+1} must exist)
+    if m < 1:
+        return hidden_b.new_zeros((), dtype=torch.float32, requires_grad=True)
+    device = input_ids.device
+    t = torch.arange(m, device=device)
+    target_p = None
+    if logits_b is not None:
+        target_p = F.softmax(logits_b.float(), dim=-1)  # (B, L, V)
+        if module.eagle3 and module.lm_head.out_features != target_p.shape[-1]:
+            target_ids = torch.arange(module.lm_head.out_features, device=device) + module.d2t
+            target_p = target_p[..., target_ids]
+            target_p = target_p / target_p.sum(-1, keepdim=True).clamp(min=1e-9)
+
+    def ce(logits, offset, n, ok):  # against the base at position offset.. (predicting x_{offset+1}..)
+        if target_p is None:
+            return _hard_ce(module, logits, input_ids[:, offset + 1 : offset + 1 + n], ok)
+        return _masked_mean(_soft_ce(logits, target_p[:, offset : offset + n]), ok)
+
+    if not module.eagle3:
+        mask = (t[None, :] <= t[:, None]).expand(bsz, 1, m, m)
+        out, logits, _ = module.step(base, hidden_b[:, :m], input_ids[:, 1:], t.expand(bsz, m), mask)
+        reg = F.smooth_l1_loss(out.float(), hidden_b[:, 1:].float(), reduction="none").mean(-1)
+        reg_ok, ce_ok = _shifted(valid, 1, m), _shifted(valid, 2, m)
+        # the last anchor has no x_{t+2}: its CE target is masked (and padded for the hard target)
+        ce_val = ce(logits[:, : m - 1], 1, m - 1, ce_ok[:, : m - 1]) if target_p is None else ce(logits, 1, m, ce_ok)
+        return cfg.eagle_hidden_loss_weight * _masked_mean(reg, reg_ok) + 0.1 * ce_val
+
+    total = hidden_b.new_zeros((), dtype=torch.float32)
+    for j, n, logits in _ttt_unroll(module, cfg, base, hidden_b, aux_b, input_ids, cfg.eagle_ttt_steps):
         # target: base distribution at position t+j+1 predicts x_{t+j+2}
-        tgt = target_p[:, 1 + j : 1 + j + n]
         ok = _shifted(valid, 2 + j, n)
-        total = total + cfg.eagle_loss_decay**j * _masked_mean(_soft_ce(logits, tgt), ok)
+        if target_p is None:  # the last anchor's x_{t+j+2} is past the end
+            n_ok = n - 1
+            if n_ok < 1:
+                break
+            total = total + cfg.eagle_loss_decay**j * ce(logits[:, :n_ok], 1 + j, n_ok, ok[:, :n_ok])
+        else:
+            total = total + cfg.eagle_loss_decay**j * ce(logits, 1 + j, n, ok)
     return total
+
+
+@torch.no_grad()
+def eagle_chain_predictions(model, features, input_ids, depth: int) -> torch.Tensor:
+    """(B, L-1, depth) draft-vocabulary-mapped top-1 chains: entry [b, t, j] guesses x_{t+j+2}.
+
+    ``features``: the base's post-norm hidden (EAGLE-1) or its EAGLE-3 layers (B, L, ...). Rows past
+    a step's end (t >= L-1-j) are -1."""
+    em = model.eagle_module
+    bsz, length = input_ids.shape
+    out = torch.full((bsz, length - 1, depth), -1, dtype=torch.long)
+    if em.eagle3:
+        h = model.config.hidden_size
+        for j, n, logits in _ttt_unroll(em, model.spec_config, model, features[..., :h], features, input_ids,
+                                        depth):
+            out[:, :n, j] = em.draft_to_target(logits.argmax(-1))
+        return out
+    # EAGLE-1: step j reads its own previous outputs as hidden states, the true tokens as inputs
+    hidden = features[:, : length - 1]
+    m = length - 1
+    t = torch.arange(m)
+    for j in range(depth):
+        n = m - j
+        if n < 1:
+            break
+        mask = (t[None, :n] <= t[:n, None]).expand(bsz, 1, n, n)
+        h, logits, _ = em.step(model, hidden[:, :n], input_ids[:, 1 + j : 1 + j + n], (t[:n] + j).expand(bsz, n),
+                               mask)
+        out[:, :n, j] = logits.argmax(-1)
+        hidden = h
+    return out

@@ -1,0 +1,447 @@
+"""Drafter training that scales to a real base on a CPU: distill once, cache the frozen base once, train.
+
+    examples = distill(export_dir, prompts, cfg, log)          # the base's greedy answers, via graphs' engine
+    cache = FeatureCache.build(model, examples, cfg, log)      # the features the drafter reads, computed once
+    report = train_drafter(model, cache, cfg, log)             # HF Trainer on the cache; held-out acceptance
+
+Why each phase is built this way:
+
+- **Distillation through our own engine** (continuous batching over an autoregressive export): HF
+  ``generate`` recomputes padding and keeps a batch until its longest row ends; the engine refills a
+  row the moment a request finishes. Each example is a chat prompt and the base's greedy answer, so
+  the drafter learns what the base will say at serving time.
+- **Features once.** The base is frozen, so what the drafter reads (the last hidden state for Medusa
+  and EAGLE-1, three layers' outputs for EAGLE-3) is a dataset: one no-grad forward per example, kept
+  in float16 in a bounded cache, instead of a base forward at every step of every epoch.
+- **Hard targets.** On self-distilled text the next token *is* the base's argmax, so the cross-entropy
+  against it needs no logits (rows x 49k floats per token would not fit any cache).
+
+A seconds budget bounds the whole run (distillation gets ``distill_share`` of it, in-flight answers
+are kept as far as they got); every phase prints a line at least every ``PROGRESS_S`` seconds with its
+rate and an ETA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from exporter.speculative.distill import IGNORE_INDEX
+
+PROGRESS_S = 10.0  # the longest silence of any phase
+MODES = {  # the drafters this trains, as convert() takes them
+    "medusa": ("medusa", {"medusa_num_heads": 3, "medusa_num_layers": 1}),
+    "eagle": ("eagle", {"eagle_num_layers": 1}),
+    "eagle3": ("eagle", {"use_aux_hidden_state": True, "eagle_num_layers": 1}),
+}
+
+
+@dataclass
+class TrainingConfig:
+    """One drafter training run; every field has a default that fits a 2-core CPU and a ~135M base."""
+
+    mode: str = "eagle3"
+    """medusa | eagle (EAGLE-1) | eagle3."""
+    max_new_tokens: int = 96
+    """Length of each distilled answer (tokens)."""
+    distill_rows: int = 16
+    """Requests the engine decodes at once while distilling."""
+    seconds_budget: float | None = 360.0
+    """The whole run: distillation + features + training (None: no bound, every step runs)."""
+    distill_share: float = 0.45
+    """Of the budget, the most distillation may take; the rest goes to features and training."""
+    epochs: float = 4.0
+    """Passes over the cached examples (the budget may stop training earlier)."""
+    batch_size: int = 8
+    learning_rate: float = 2e-3
+    draft_vocab_size: int | None = 8192
+    """EAGLE-3: the drafter's own head covers the base's most frequent answer tokens (d2t maps back)."""
+    heldout_fraction: float = 0.1
+    """Examples kept out of training, whose acceptance the report gives by category."""
+    depth: int = 3
+    """Chain length of the held-out acceptance estimate."""
+    max_cache_bytes: int = 2 << 30
+    """Bound of the feature cache; examples past it are dropped (and said)."""
+    threads: int | None = None
+    seed: int = 0
+    drafter_config: dict = field(default_factory=dict)
+    """Overrides of the mode's convert() config (e.g. {"medusa_num_heads": 4})."""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown drafter mode {self.mode!r}; accepted: {', '.join(MODES)}")
+        for name in ("max_new_tokens", "distill_rows", "batch_size", "depth"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"TrainingConfig.{name} must be an int >= 1, got {v!r}")
+        if self.seconds_budget is not None and not self.seconds_budget > 0:
+            raise ValueError(f"TrainingConfig.seconds_budget must be > 0 or None, got {self.seconds_budget!r}")
+        if not 0 < self.distill_share < 1 or not 0 <= self.heldout_fraction < 1:
+            raise ValueError("distill_share must be in (0, 1) and heldout_fraction in [0, 1)")
+
+    def convert_config(self) -> tuple[str, dict]:
+        kind, cfg = MODES[self.mode]
+        cfg = {**cfg, **self.drafter_config}
+        if self.mode == "eagle3" and self.draft_vocab_size:
+            cfg.setdefault("draft_vocab_size", self.draft_vocab_size)
+        return kind, cfg
+
+
+@dataclass
+class Example:
+    prompt: list[int]
+    answer: list[int]
+    category: str = ""
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.answer
+
+
+class Progress:
+    """Lines with elapsed time, rate and ETA, at most every ``PROGRESS_S`` seconds (``force`` always)."""
+
+    def __init__(self, phase: str, total: float, unit: str, log: Callable[[str], None] = print):
+        self.phase, self.total, self.unit, self.log = phase, total, unit, log
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, done: float, extra: str = "", force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last < PROGRESS_S:
+            return
+        self.last = now
+        dt = max(now - self.t0, 1e-9)
+        rate = done / dt
+        eta = f", ETA {max(self.total - done, 0) / rate:.0f} s" if rate > 0 and done < self.total else ""
+        self.log(f"{self.phase}: {done:.0f}/{self.total:.0f} {self.unit}, {rate:.1f} {self.unit}/s{eta}"
+                 f"{', ' + extra if extra else ''} [{dt:.0f} s]")
+
+
+class Budget:
+    """Deadlines of the phases of one run."""
+
+    def __init__(self, seconds: float | None):
+        self.start = time.perf_counter()
+        self.seconds = seconds
+
+    def deadline(self, share: float = 1.0) -> float | None:
+        return None if self.seconds is None else self.start + share * self.seconds
+
+    def left(self) -> float | None:
+        return None if self.seconds is None else self.start + self.seconds - time.perf_counter()
+
+
+# ---------------------------------------------------------------------------- distillation
+
+
+def distill(export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: TrainingConfig, deadline: float | None = None,
+            log: Callable[[str], None] = print) -> list[Example]:
+    """The base's greedy answers to ``prompts`` ((category, token ids) pairs), decoded by :mod:`graphs`.
+
+    ``export_dir``: an export of the base (an autoregressive one is enough). Past ``deadline`` the
+    requests in flight are cancelled and kept as far as they got; the ones not started are dropped."""
+    import graphs
+    from graphs.engine import EngineConfig
+
+    dec = graphs.load(export_dir, provider="cpu", threads=cfg.threads, adaptive=False)
+    engine = dec.engine(EngineConfig(max_batch=cfg.distill_rows))
+    ids = {}
+    for cat, p in prompts:
+        rid = engine.add_request(list(p), max_new_tokens=cfg.max_new_tokens, mode="autoregressive",
+                                 temperature=0.0)
+        ids[rid] = Example(list(p), [], cat)
+    prog = Progress("distill", len(ids) * cfg.max_new_tokens, "tokens", log)
+    done = tokens = 0
+    cut = False
+    while engine.has_pending_requests():
+        for ev in engine.step():
+            ids[ev.request_id].answer += ev.token_ids
+            tokens += len(ev.token_ids)
+            done += ev.finish_reason is not None
+        prog(tokens, f"{done}/{len(ids)} answers")
+        if deadline is not None and time.perf_counter() > deadline and not cut:
+            cut = True
+            for rid in list(ids):
+                engine.remove_request(rid)
+    prog(tokens, f"{done}/{len(ids)} answers" + (" (time budget reached: the rest cut)" if cut else ""), force=True)
+    return [e for e in ids.values() if len(e.answer) >= 2]
+
+
+# ---------------------------------------------------------------------------- features
+
+
+def feature_layers(model) -> tuple[str, tuple[int, ...]]:
+    """What the converted ``model``'s drafter reads: ("hidden", ()) or ("aux", layer ids)."""
+    if model.spec_mode == "eagle" and model.eagle_module.eagle3:
+        return "aux", tuple(model.spec_config.eagle_aux_hidden_state_layer_ids)
+    return "hidden", ()
+
+
+@dataclass
+class FeatureCache:
+    """Per example: token ids, the loss mask (answer tokens) and the base's features (float16)."""
+
+    kind: str  # "hidden" (post-norm last layer) or "aux" (the EAGLE-3 layers, concatenated)
+    examples: list[Example]
+    features: list[torch.Tensor]  # (len(ids), H or n_aux*H), float16
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.features)
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, model, examples: list[Example], cfg: TrainingConfig, log: Callable[[str], None] = print,
+              batch_tokens: int = 4096) -> FeatureCache:
+        """One frozen-base forward per example (batched by length, HF's own forward and attention)."""
+        kind, layers = feature_layers(model)
+        inner = model.model
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+        feats: list[torch.Tensor | None] = [None] * len(examples)
+        prog = Progress("features", sum(len(e.ids) for e in examples), "tokens", log)
+        done = used = 0
+        i = 0
+        while i < len(order):
+            chunk = [order[i]]  # sorted by length: the last row of a chunk is its widest
+            while i + len(chunk) < len(order) and \
+                    (len(chunk) + 1) * len(examples[order[i + len(chunk)]].ids) <= batch_tokens:
+                chunk.append(order[i + len(chunk)])
+            i += len(chunk)
+            width = len(examples[chunk[-1]].ids)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for r, j in enumerate(chunk):  # right padding: positions stay 0.. for every row
+                ids[r, : len(examples[j].ids)] = torch.tensor(examples[j].ids)
+                mask[r, : len(examples[j].ids)] = 1
+            out = inner(input_ids=ids, attention_mask=mask, output_hidden_states=(kind == "aux"))
+            if kind == "aux":  # hidden_states[0] is the embedding: layer i's output is [i + 1]
+                f = torch.cat([out.hidden_states[k + 1] for k in layers], dim=-1)
+            else:
+                f = out.last_hidden_state
+            for r, j in enumerate(chunk):
+                feats[j] = f[r, : len(examples[j].ids)].to(torch.float16).clone()
+                used += feats[j].numel() * 2
+                done += len(examples[j].ids)
+            prog(done)
+            if used > cfg.max_cache_bytes:
+                kept = sum(x is not None for x in feats)
+                log(f"features: the cache reached its bound of {cfg.max_cache_bytes >> 20} MiB; "
+                    f"keeping {kept} of {len(examples)} examples")
+                break
+        prog(done, f"{used / 2**20:.0f} MiB cached", force=True)
+        keep = [j for j in range(len(examples)) if feats[j] is not None]
+        return cls(kind, [examples[j] for j in keep], [feats[j] for j in keep])
+
+    def split(self, fraction: float, seed: int) -> tuple[FeatureCache, FeatureCache]:
+        """(train, held-out): ``fraction`` of each category held out (at least one where it has two)."""
+        g = torch.Generator().manual_seed(seed)
+        by_cat: dict[str, list[int]] = {}
+        for i, e in enumerate(self.examples):
+            by_cat.setdefault(e.category, []).append(i)
+        held = set()
+        for idx in by_cat.values():
+            k = min(len(idx) - 1, max(1 if fraction > 0 else 0, round(fraction * len(idx))))
+            perm = torch.randperm(len(idx), generator=g).tolist()
+            held |= {idx[p] for p in perm[: max(k, 0)]}
+        pick = lambda keep: FeatureCache(self.kind, [self.examples[i] for i in keep], [self.features[i] for i in keep])
+        return (pick([i for i in range(len(self.examples)) if i not in held]),
+                pick([i for i in range(len(self.examples)) if i in held]))
+
+
+class CachedFeatures(torch.utils.data.Dataset):
+    """The cache as HF ``Trainer`` rows: input_ids, labels (-100 on the prompt) and the features."""
+
+    def __init__(self, cache: FeatureCache):
+        self.cache = cache
+
+    def __len__(self):
+        return len(self.cache.examples)
+
+    def __getitem__(self, i):
+        e = self.cache.examples[i]
+        return {"input_ids": e.ids, "labels": [IGNORE_INDEX] * len(e.prompt) + e.answer,
+                "features": self.cache.features[i]}
+
+
+class FeatureCollator:
+    """Right-pads rows into a batch: the features go to the converted model as ``base_features``."""
+
+    def __call__(self, rows) -> dict:
+        width = max(len(r["input_ids"]) for r in rows)
+        dim = rows[0]["features"].shape[-1]
+        batch = {
+            "input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+            "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+            "labels": torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long),
+            "base_features": torch.zeros(len(rows), width, dim),
+        }
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            batch["input_ids"][i, :n] = torch.tensor(r["input_ids"])
+            batch["attention_mask"][i, :n] = 1
+            batch["labels"][i, :n] = torch.tensor(r["labels"])
+            batch["base_features"][i, :n] = r["features"].float()
+        return batch
+
+
+# ---------------------------------------------------------------------------- the draft vocabulary
+
+
+def set_draft_vocab(model, examples: list[Example]) -> int:
+    """EAGLE-3: the drafter's head covers the most frequent answer tokens (then ids in order).
+
+    ``d2t[d] = target - d`` (the SafeAILab/ModelOpt convention); the head's rows restart from the
+    base's lm_head rows of those tokens. Returns the share of answer tokens the vocabulary covers."""
+    em = model.eagle_module
+    n = em.lm_head.out_features
+    vocab = model.get_output_embeddings().weight.shape[0]
+    counts = Counter(t for e in examples for t in e.answer)
+    top = [t for t, _ in counts.most_common(n)]
+    rest = [t for t in range(vocab) if t not in set(top)][: n - len(top)]
+    ids = torch.tensor(sorted(top + rest), dtype=torch.long)  # (n,)
+    with torch.no_grad():
+        em.d2t.copy_(ids - torch.arange(n))
+        em.lm_head.weight.copy_(model.get_output_embeddings().weight[ids])
+    total = sum(counts.values())
+    return sum(counts[t] for t in top) / total if total else 1.0
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def train_drafter(model, train: FeatureCache, cfg: TrainingConfig, work_dir, deadline: float | None = None,
+                  log: Callable[[str], None] = print) -> dict:
+    """Train the converted ``model``'s drafter on ``train`` with a HF ``Trainer`` (the base stays frozen)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    steps = max(1, math.ceil(cfg.epochs * len(train.examples) / cfg.batch_size))
+    prog = Progress("train", steps, "steps", log)
+    state_out = {"stopped_at": None, "loss": None}
+
+    class Callback(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                state_out["loss"] = logs["loss"]
+
+        def on_step_end(self, args, state, control, **kw):
+            loss = state_out["loss"]
+            prog(state.global_step, "" if loss is None else f"loss {loss:.3f}")
+            if deadline is not None and time.perf_counter() > deadline:
+                state_out["stopped_at"] = state.global_step
+                control.should_training_stop = True
+
+    args = TrainingArguments(
+        output_dir=str(work_dir), max_steps=steps, per_device_train_batch_size=cfg.batch_size,
+        learning_rate=cfg.learning_rate, warmup_steps=max(1, round(0.05 * steps)), lr_scheduler_type="cosine",
+        weight_decay=0.0, logging_steps=max(1, min(10, steps // 20)), report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, seed=cfg.seed, data_seed=cfg.seed, dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=CachedFeatures(train),
+                      data_collator=FeatureCollator(), callbacks=[Callback()])
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    prog(steps if state_out["stopped_at"] is None else state_out["stopped_at"],
+         f"loss {state_out['loss']:.3f}" if state_out["loss"] is not None else "", force=True)
+    if state_out["stopped_at"] is not None:
+        log(f"train: time budget reached after {state_out['stopped_at']} of {steps} steps")
+    model.eval()
+    return {"steps": steps, "stopped_at": state_out["stopped_at"], "final_loss": state_out["loss"]}
+
+
+# ---------------------------------------------------------------------------- held-out acceptance
+
+
+@torch.no_grad()
+def heldout_acceptance(model, held: FeatureCache, depth: int = 3) -> dict:
+    """Top-1 chain acceptance of the drafter on held-out answers, by category.
+
+    At each answer position t the drafter drafts ``depth`` tokens feeding itself (as at serving time);
+    a chain's accepted length is 1 + its leading correct drafts (the bonus token counts), so
+    ``tau_chain`` is the mean accepted length a chain of this depth reaches on greedy decoding.
+    ``per_position[k]``: the share of anchors whose first k+1 drafts are all right."""
+    from exporter.speculative.eagle import eagle_chain_predictions
+    from exporter.speculative.medusa import medusa_logits
+
+    by_cat: dict[str, list[torch.Tensor]] = {}
+    for e, f in zip(held.examples, held.features):
+        ids = torch.tensor([e.ids])
+        feats = f[None].float()
+        n_prompt = len(e.prompt)
+        if model.spec_mode == "medusa":
+            heads = medusa_logits(model.medusa_heads, feats).argmax(-1)[0]  # (S, heads)
+            d = min(depth, heads.shape[1])
+            preds = torch.stack([heads[:, k] for k in range(d)], -1)  # at t: x_{t+k+2}
+        else:
+            preds = eagle_chain_predictions(model, feats, ids, depth)[0]  # (S, depth): at t, x_{t+j+2}
+            d = depth
+        seq = ids.shape[1]
+        anchors = range(max(n_prompt - 1, 0), seq - 2)  # x_{t+1} known, x_{t+2} an answer token
+        for t in anchors:
+            k = 0
+            while k < d and t + k + 2 < seq and int(preds[t, k]) == int(ids[0, t + k + 2]):
+                k += 1
+            by_cat.setdefault(e.category, []).append(torch.tensor(k))
+    out = {}
+    for cat, ks in sorted(by_cat.items()):
+        out[cat] = _acceptance(torch.stack(ks), depth)
+    everything = [k for ks in by_cat.values() for k in ks]
+    out["all"] = _acceptance(torch.stack(everything), depth) if everything else {}
+    return out
+
+
+def _acceptance(ks: torch.Tensor, depth: int) -> dict:
+    return {"anchors": len(ks), "tau_chain": 1 + ks.float().mean().item(),
+            "per_position": [(ks > k).float().mean().item() for k in range(depth)]}
+
+
+# ---------------------------------------------------------------------------- one call
+
+
+def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: TrainingConfig, work_dir,
+        log: Callable[[str], None] = print, examples: list[Example] | None = None) -> dict:
+    """Distill (unless ``examples`` are given), convert ``model`` in place, cache, train; returns a report.
+
+    ``model``: the base (unconverted, float32); ``export_dir``: its autoregressive export."""
+    from exporter.speculative import convert
+
+    budget = Budget(cfg.seconds_budget)
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    if examples is None:
+        examples = distill(export_dir, prompts, cfg, budget.deadline(cfg.distill_share), log)
+    t_distill = time.perf_counter() - t0
+    n_tokens = sum(len(e.answer) for e in examples)
+    convert(model, [cfg.convert_config()])
+    coverage = set_draft_vocab(model, examples) if cfg.mode == "eagle3" else None
+    t1 = time.perf_counter()
+    cache = FeatureCache.build(model, examples, cfg, log)
+    t_features = time.perf_counter() - t1
+    train, held = cache.split(cfg.heldout_fraction, cfg.seed)
+    log(f"drafter: {cfg.mode}, {sum(p.numel() for p in model.drafter.parameters()) / 1e6:.1f}M params; "
+        f"{len(train.examples)} training / {len(held.examples)} held-out examples"
+        + (f"; draft vocabulary covers {coverage:.1%} of answer tokens" if coverage is not None else ""))
+    t2 = time.perf_counter()
+    trained = train_drafter(model, train, cfg, work_dir, budget.deadline(), log)
+    t_train = time.perf_counter() - t2
+    acceptance = heldout_acceptance(model, held, cfg.depth) if held.examples else {}
+    if acceptance:
+        log(f"held-out acceptance (top-1 chain of depth {cfg.depth}): " + ", ".join(
+            f"{c} {a['tau_chain']:.2f}" for c, a in acceptance.items()))
+    return {
+        "config": dataclasses.asdict(cfg),
+        "examples": len(examples), "answer_tokens": n_tokens,
+        "seconds": {"distill": round(t_distill, 1), "features": round(t_features, 1), "train": round(t_train, 1)},
+        "distill_tokens_per_s": n_tokens / t_distill if t_distill > 0 else None,
+        "draft_vocab_coverage": coverage, "cache_mib": round(cache.nbytes / 2**20, 1),
+        "training": trained, "heldout_acceptance": acceptance,
+    }
