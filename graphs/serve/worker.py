@@ -14,8 +14,16 @@ One loop::
     deliver   the step's events go to their requests' asyncio queues in one call_soon_threadsafe;
               metrics are observed here, at the time the engine emitted the tokens
 
-A step that raises (a bug, or non-finite logits) ends every live request with an ``error`` event (the
-handlers answer 500, streams an error chunk) and the engine is rebuilt: no request hangs.
+Errors, each an :class:`ErrorEvent` (finish_reason "error") with a ``code`` for the handler to map:
+
+- ``request_error`` (500): one request's own sampling, stop strings or text raised inside the step
+  (graphs.engine): that request alone ends, the step goes on for the others;
+- ``queue_timeout`` (503): the request's deadline passed before its first token (still queued, or
+  prefilling behind others): "timeout while queued", never an empty 200 with finish_reason "length";
+- ``engine_error`` (500): a step raised (a bug, a failed graph call the batch shares): every live
+  request ends with it, each counted as finished with reason "error", and the engine is rebuilt
+  (its request ids continue the old one's). Adds still queued, and retries posted after the clients
+  heard, go to the new engine: no request hangs, none that came after the failure is failed by it.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ class Handle:
     arrival: float
     prompt_tokens: int
     speculation: str | None = None
+    deadline_s: float | None = None
     t_first: float | None = None
     t_last: float | None = None
     done: bool = False
@@ -52,7 +61,8 @@ class Handle:
 
 @dataclass
 class ErrorEvent:
-    """The engine failed while this request was live (answered as a 500)."""
+    """This request ended without its answer: ``code`` says why (module doc), ``status`` the HTTP status
+    it suggests (engine_error / request_error 500, queue_timeout 503)."""
 
     message: str
     request_id: int = -1
@@ -60,6 +70,8 @@ class ErrorEvent:
     text: str = ""
     finish_reason: str = "error"
     stats: object = None
+    code: str = "engine_error"
+    status: int = 500
 
 
 class Worker:
@@ -80,6 +92,7 @@ class Worker:
         self.snapshot: dict = self._memory()
         self.steps = 0
         self.failures = 0
+        self._next_id = 0  # past every request id handed out (a rebuilt engine starts here)
         self.step_seconds = 0.0  # inside engine.step()
         self.worker_seconds = 0.0  # the worker's own work around the steps (commands, events, metrics)
 
@@ -167,8 +180,10 @@ class Worker:
                 log.error("add_request failed:\n%s", traceback.format_exc())
                 loop.call_soon_threadsafe(_set, fut, None, e)
                 continue
+            self._next_id = max(self._next_id, rid + 1)
             req = self.engine.request(rid)
-            h = Handle(rid, loop, asyncio.Queue(), arrival, len(req.prompt), speculation=req.speculation)
+            h = Handle(rid, loop, asyncio.Queue(), arrival, len(req.prompt), speculation=req.speculation,
+                       deadline_s=deadline_s)
             self._handles[rid] = h
             loop.call_soon_threadsafe(_set, fut, h, None, self, rid)
         self.snapshot = self._memory()
@@ -180,6 +195,9 @@ class Worker:
             h = self._handles.get(ev.request_id)
             if h is None:
                 continue
+            if ev.finish_reason == "error" or (ev.finish_reason == "deadline" and ev.stats is not None
+                                               and ev.stats.new_tokens == 0):
+                ev = _error_event(h, ev)
             if self.metrics is not None:
                 self.metrics.observe(h, ev, self.engine.request(ev.request_id), now)
             if ev.finish_reason is not None:
@@ -199,19 +217,33 @@ class Worker:
                       len(self._handles), "".join(traceback.format_exception(error)))
         message = f"the engine failed: {type(error).__name__}: {error}"
         if rebuild:  # before the requests hear of it: a client that retries at once finds a fresh engine
-            self.engine = self.dec.engine(self.config)
+            self.engine = self.dec.engine(self.config, first_id=self._next_id)
+        else:  # shutting down: adds still queued will never be applied (on a rebuild the next drain
+            # gives them, and retries posted once the clients heard, to the new engine)
+            while self._commands:
+                cmd = self._commands.popleft()
+                if cmd[0] == "add":
+                    cmd[6].call_soon_threadsafe(_set, cmd[7], None, RuntimeError(message))
+        now = time.perf_counter()
         batches: dict = {}
         for rid, h in list(self._handles.items()):
             h.done = True
-            batches.setdefault(h.loop, []).append((h.queue, ErrorEvent(message, rid)))
+            ev = ErrorEvent(message, rid)
+            self._count(h, ev, now)
+            batches.setdefault(h.loop, []).append((h.queue, ev))
         self._handles.clear()
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
-        while self._commands:  # adds that will never be applied
-            cmd = self._commands.popleft()
-            if cmd[0] == "add":
-                cmd[6].call_soon_threadsafe(_set, cmd[7], None, RuntimeError(message))
         self.snapshot = self._memory()
+
+    def _count(self, h: Handle, ev, now: float) -> None:
+        """A request that ends outside the engine's events: finished with reason "error" in the metrics."""
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.observe(h, ev, None, now)
+        except Exception:  # the metrics must never stop the requests from hearing
+            log.error("metrics could not count a failed request:\n%s", traceback.format_exc())
 
     def _memory(self) -> dict:
         m = self.engine.memory()
@@ -219,6 +251,19 @@ class Worker:
                 "kv_budget_bytes": m["kv_budget_bytes"], "max_running": self.config.max_batch,
                 "max_waiting": None if self.capacity is None else self.capacity - self.config.max_batch,
                 "live": len(self._handles)}
+
+
+def _error_event(h: Handle, ev) -> ErrorEvent:
+    """The handler's event for an engine event that ends ``h`` without its answer (module doc)."""
+    if ev.finish_reason == "deadline":
+        return ErrorEvent(f"timeout while queued: the request's {h.deadline_s:g} s timeout passed before its first "
+                          f"token (the server is busy); retry later", ev.request_id, stats=ev.stats,
+                          code="queue_timeout", status=503)
+    e = ev.error
+    log.error("request %d failed alone (the others go on):\n%s", ev.request_id,
+              "".join(traceback.format_exception(e)) if e is not None else "no exception")
+    return ErrorEvent(f"the request failed: {type(e).__name__}: {e}", ev.request_id, list(ev.token_ids), ev.text,
+                      stats=ev.stats, code="request_error")
 
 
 def _set(fut: asyncio.Future, value, error, worker: Worker | None = None, rid: int | None = None) -> None:
