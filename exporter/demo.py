@@ -15,7 +15,7 @@ from graphs.manifest import MANIFEST
 
 def default_paths() -> tuple[Path, Path]:
     """(model_dir, out_dir) of the demo, relative to the working directory."""
-    return Path("spec-demo/model"), Path("spec-demo/onnx")
+    return Path("spec-demo-tiny/model"), Path("spec-demo-tiny/onnx")
 
 
 def build_demo_model(model_dir, mode: str = "medusa") -> Path:

@@ -7,7 +7,9 @@ tokenizer files into ``out_dir``. The export is built in a temporary directory b
 ``out_dir``, checked against PyTorch (:mod:`exporter.validate`) and moved into place only when
 complete, under a lock on ``out_dir`` (:mod:`exporter.outdir`): a failed or terminated export leaves
 nothing behind, and ``--overwrite`` replaces an earlier export only (``--overwrite-non-export OUT_DIR``
-replaces anything). Without ``model_dir`` it builds the project's demo model first.
+replaces anything). ``model_dir`` may also be a ``.gguf`` file (dequantized to float32 once, cached).
+Without ``model_dir`` it runs the main job on a real model (:mod:`exporter.mainjob`: SmolLM2-135M-Instruct,
+an EAGLE-3 drafter trained for it, exported and optimized); ``--tiny`` builds the seconds-long demo instead.
 
 A thin command line over :func:`exporter.pipeline.export` (load -> plan -> trace -> validate -> write,
 then optimize with ``--optimize``).
@@ -45,10 +47,16 @@ def main(argv=None) -> int:
 
     ap = ArgumentParser(prog="python -m exporter.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", nargs="?",
-                    help="HF model directory, or a hub id (org/name) in the local HF cache; never downloads "
-                         "(default: build the demo model in spec-demo/model)")
+                    help="HF model directory, a .gguf file, or a hub id (org/name) in the local HF cache; never "
+                         "downloads (default: the main job: SmolLM2-135M-Instruct + a trained EAGLE-3 drafter, "
+                         "in spec-demo/)")
     ap.add_argument("out_dir", nargs="?",
                     help="where to write the export, empty or absent (default with no model_dir: spec-demo/onnx)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="with no model_dir: the seconds-long demo (a 0.9M model trained here, nonsense text) "
+                         "in spec-demo-tiny/ instead of the real model")
+    ap.add_argument("--budget-s", type=float, default=360.0,
+                    help="with no model_dir: seconds for the drafter's distillation + training")
     ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3 files) "
                                       "(default: the drafter saved in model_dir, if any)")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="precision of the graphs")
@@ -73,12 +81,23 @@ def main(argv=None) -> int:
         from exporter.hub import resolve_model
 
         model_dir, out_dir, overwrite = args.model_dir, args.out_dir, args.overwrite
+        if model_dir is None and not args.tiny:
+            from exporter.mainjob import run_main_job
+
+            root = Path(out_dir).parent if out_dir else Path("spec-demo")
+            if out_dir and Path(out_dir).name != "onnx":
+                raise UserError(f"the main job writes its export to ROOT/onnx; pass an out_dir ending in /onnx "
+                                f"(got {out_dir}), or pass a model_dir")
+            run_main_job(root, budget_s=args.budget_s)
+            return 0
         if model_dir is None:
             from exporter.demo import default_paths, prepare_demo
 
             model_dir, default_out = default_paths()
             out_dir = Path(out_dir or default_out)
             overwrite = prepare_demo(model_dir, out_dir) or overwrite  # a rerun replaces its own export
+        elif args.tiny:
+            raise UserError("--tiny is the demo's: drop it, or drop model_dir")
         elif out_dir is None:
             raise UserError("missing out_dir: python -m exporter.export model_dir out_dir")
         force = args.overwrite_non_export

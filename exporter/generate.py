@@ -1,6 +1,7 @@
 """Generate text from an export directory with the ONNX Runtime decoder (streams as it goes).
 
     python -m exporter.generate out_dir --prompt "def main(" [--max-new-tokens 64] [--temperature 0]
+    python -m exporter.generate out_dir --chat "What is DNA?" [--system "Answer briefly."]
 
 Runs :func:`graphs.load` (no torch needed at run time). Unset options take the export's
 ``generation_config.json`` values (as HF's ``generate`` does), else the defaults; the first line on
@@ -23,7 +24,10 @@ def main(argv=None) -> int:
 
     ap = ArgumentParser(prog="python -m exporter.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", help="an export directory (holds manifest.json)")
-    ap.add_argument("--prompt", required=True, help="prompt text")
+    given = ap.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="prompt text, as it is")
+    given.add_argument("--chat", help="a user message, rendered with the export's chat template")
+    ap.add_argument("--system", help="with --chat: a system message (default: the template's own, if any)")
     ap.add_argument("--max-new-tokens", type=int, help=f"new tokens at most ({FROM_CONFIG} 64)")
     ap.add_argument("--do-sample", action=argparse.BooleanOptionalAction,
                     help=f"sample (--do-sample) or decode greedily (--no-do-sample) ({FROM_CONFIG} greedy, "
@@ -57,6 +61,8 @@ def main(argv=None) -> int:
 
         if args.json:
             check_output(args.json, "--json", args.out_dir)
+        if args.system is not None and args.chat is None:
+            raise UserError("--system needs --chat (a system message goes through the chat template)")
         from graphs.params import GenerationParams
         from graphs.sessions import use_shared_thread_pool
 
@@ -70,10 +76,12 @@ def main(argv=None) -> int:
         if decoder.tokenizer is None:
             raise UserError(f"{args.out_dir} has no tokenizer.json; use graphs.load(...).generate(token_ids)")
         used = decoder.resolve(params)
-        events = decoder.stream(args.prompt, params)
+        prompt = args.prompt if args.chat is None else chat_prompt(args.out_dir, args.chat, args.system)
+        events = decoder.stream(prompt, params)
         first = next(events)  # the run checks prompt, tree, ... here: an error is the only line printed
         print(f"[generation: {used.describe()}]", file=sys.stderr, flush=True)
-        sys.stdout.write(args.prompt)
+        if args.chat is None:  # a chat answer prints alone, without the rendered template
+            sys.stdout.write(args.prompt)
         tokens, text, stats, finish = [], [], None, None
         for event in itertools.chain([first], events):
             tokens += event.token_ids
@@ -91,12 +99,25 @@ def main(argv=None) -> int:
         )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"prompt": args.prompt, "token_ids": tokens, "text": "".join(text), "finish_reason": finish,
+                json.dump({"prompt": prompt, "token_ids": tokens, "text": "".join(text), "finish_reason": finish,
                            "generation": {k: v for k, v in vars(used).items() if k not in ("tree", "sources")},
                            "stats": stats.to_json()}, f, indent=2)
         return 0
 
     return run_cli(body, debug=args.debug)
+
+
+def chat_prompt(out_dir, message: str, system: str | None = None) -> str:
+    """``message`` (and ``system``) rendered with the export's chat template, ready to generate from."""
+    from exporter.errors import UserError
+    from graphs.chat import ChatTemplate
+
+    template = ChatTemplate.from_export(out_dir)
+    if template is None:
+        raise UserError(f"{out_dir} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                        f"chat_template); use --prompt with the text as the model expects it")
+    pre = [{"role": "system", "content": system}] if system is not None else []
+    return template.render([*pre, {"role": "user", "content": message}], add_generation_prompt=True)
 
 
 if __name__ == "__main__":

@@ -83,27 +83,27 @@ def test_main_command_twice_reuses_the_demo_and_replaces_its_own_export(tmp_path
     def run():
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()) as err:
-            rc = main([])
+            rc = main(["--tiny"])
         return rc, out.getvalue(), err.getvalue()
 
     rc, out, err = run()
     assert rc == 0, err
-    assert "building the demo model in spec-demo/model" in out and len(built) == 1
-    first = json.loads((tmp_path / "spec-demo/onnx/manifest.json").read_text())
+    assert "building the demo model in spec-demo-tiny/model" in out and len(built) == 1
+    first = json.loads((tmp_path / "spec-demo-tiny/onnx/manifest.json").read_text())
     rc, out, err = run()
     assert rc == 0, err
     assert len(built) == 1, "the second run must reuse the demo model"
-    assert "reusing the demo model in spec-demo/model" in out
-    assert "replacing the earlier demo export in spec-demo/onnx" in out
-    assert json.loads((tmp_path / "spec-demo/onnx/manifest.json").read_text())["files"] == first["files"]
-    assert sorted(p.name for p in (tmp_path / "spec-demo").iterdir()) == ["model", "onnx"]  # no temporaries left
+    assert "reusing the demo model in spec-demo-tiny/model" in out
+    assert "replacing the earlier demo export in spec-demo-tiny/onnx" in out
+    assert json.loads((tmp_path / "spec-demo-tiny/onnx/manifest.json").read_text())["files"] == first["files"]
+    assert sorted(p.name for p in (tmp_path / "spec-demo-tiny").iterdir()) == ["model", "onnx"]  # no temporaries left
     # something that is not an export of ours is never replaced without --overwrite
-    shutil.rmtree(tmp_path / "spec-demo/onnx")
-    (tmp_path / "spec-demo/onnx").mkdir()
-    (tmp_path / "spec-demo/onnx/notes.txt").write_text("mine")
+    shutil.rmtree(tmp_path / "spec-demo-tiny/onnx")
+    (tmp_path / "spec-demo-tiny/onnx").mkdir()
+    (tmp_path / "spec-demo-tiny/onnx/notes.txt").write_text("mine")
     rc, out, err = run()
     assert rc == 2 and "is not empty; pass --overwrite" in err
-    assert (tmp_path / "spec-demo/onnx/notes.txt").read_text() == "mine"
+    assert (tmp_path / "spec-demo-tiny/onnx/notes.txt").read_text() == "mine"
 
 
 def test_readme_outputs_are_git_ignored():
@@ -115,7 +115,7 @@ def test_readme_outputs_are_git_ignored():
     blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
     written = re.findall(r"--(?:json|png|out)\s+([^\s\]]+)", "\n".join(blocks))
     assert len(written) >= 4, "the README's commands changed: update this test"
-    names = [*written, "spec-demo/model/config.json", "spec-demo/onnx/base.onnx", "build/lib/x.py",
+    names = [*written, "spec-demo-tiny/model/config.json", "spec-demo-tiny/onnx/base.onnx", "build/lib/x.py",
              "specexport.egg-info/PKG-INFO"]
     proc = subprocess.run(["git", "check-ignore", "--no-index", *names], cwd=REPO, capture_output=True, text=True)
     assert sorted(proc.stdout.split()) == sorted(names), f"not ignored: {set(names) - set(proc.stdout.split())}"

@@ -24,7 +24,7 @@ PACKAGES = ("exporter", "graphs")
 # python -m exporter.<verb>: thin command lines, the top layer
 CLIS = {"exporter.export", "exporter.optimize", "exporter.tune", "exporter.compare", "exporter.bench",
         "exporter.generate"}
-PIPELINE = {"exporter.pipeline"}
+PIPELINE = {"exporter.pipeline", "exporter.mainjob"}  # mainjob: the main job, a pipeline of pipelines
 BENCHMARK_PREFIX = "exporter.benchmark"  # the benchmark and bench --variants: above the pipeline
 
 # Known exceptions: none. (Until the runtime rewrite landed, graphs.eagle_draft <-> graphs.runtime was
