@@ -101,21 +101,22 @@ def check_confined(out_dir: Path, files: dict[str, str], manifest_name: str) -> 
 
 
 def verify_files(out_dir: Path, files: dict[str, str], manifest_bytes: bytes, manifest_name: str,
-                 verify=True) -> None:
-    """Raise ArtifactError unless ``out_dir`` holds exactly the listed files with their sha256."""
+                 verify=True) -> dict[str, list[int]]:
+    """Raise ArtifactError unless ``out_dir`` holds exactly the listed files with their sha256. Returns
+    each file's stat key as checked, for :func:`recheck` before a file is opened later."""
     out_dir = Path(out_dir)
     mode = verify_mode(verify)
     stats = check_confined(out_dir, files, manifest_name)
+    keys = {rel: _stat_key(st) for rel, st in sorted(stats.items())}
     if mode == "none":
-        return
+        return keys
     root = Path(os.path.realpath(out_dir))
-    record = {"manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
-              "files": {rel: _stat_key(st) for rel, st in sorted(stats.items())}}
+    record = {"manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(), "files": keys}
     path = _record_path(root)
     if mode == "auto":
         try:
             if json.loads(path.read_text()) == record:
-                return
+                return keys
         except (OSError, ValueError):
             pass
     for rel, digest in files.items():
@@ -128,6 +129,30 @@ def verify_files(out_dir: Path, files: dict[str, str], manifest_bytes: bytes, ma
     youngest = max((max(k[1], k[2]) for k in after.values()), default=0)
     if after == record["files"] and time.time_ns() - youngest > RACY_NS:  # the record proves what we read
         _save(path, record)
+    return keys
+
+
+def recheck(out_dir: Path, files: dict[str, str], checked: dict[str, list[int]], rels, verify=True) -> None:
+    """Before opening ``rels`` long after :func:`verify_files` checked them (a session made at the first
+    batch): each must still be the file that was checked (its stat key unchanged: a rename or a write
+    moves it), else its bytes are hashed again and must be the manifest's; ``verify="full"`` hashes
+    always. A file swapped in between is refused, never decoded."""
+    mode = verify_mode(verify)
+    if mode == "none":
+        return
+    root = Path(os.path.realpath(out_dir))
+    for rel in rels:
+        p = root / rel
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            raise ArtifactError(f"{Path(out_dir) / rel} was removed after graphs.load checked it; reload "
+                                f"the export") from None
+        if mode == "auto" and _stat_key(st) == checked.get(rel):
+            continue
+        if not stat.S_ISREG(st.st_mode) or sha256_file(p) != files[rel]:
+            raise ArtifactError(f"{Path(out_dir) / rel} changed after graphs.load checked it (its sha256 no "
+                                f"longer matches the manifest); restore the export and load it again")
 
 
 def _save(path: Path, record: dict) -> None:

@@ -53,6 +53,7 @@ class Manifest:
     validation: dict = field(default_factory=dict)
     optimization: dict[str, dict] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    checked: dict = field(default_factory=dict, repr=False, compare=False)  # set by read (not written)
 
     @property
     def one_sequence(self) -> dict | None:
@@ -165,7 +166,8 @@ class Manifest:
             raise ArtifactError(f"{path} is not UTF-8 text (byte {e.start}); re-export the model") from None
         except (json.JSONDecodeError, RecursionError) as e:
             raise ArtifactError(f"{path} is not a valid manifest ({e}); re-export the model") from None
-        verify_files(out_dir, manifest.files, raw, MANIFEST, verify)
+        # each file's stat key as checked: graphs.integrity.recheck before a late open
+        manifest.checked = verify_files(out_dir, manifest.files, raw, MANIFEST, verify)
         return manifest
 
     def verify(self, out_dir: Path) -> None:

@@ -40,6 +40,7 @@ from graphs.adaptive import AdaptiveConfig, Costs, Planner, Priors, RowGains, ch
 from graphs.eagle_draft import DRAFT_MODES, baked_trees, choose_graph
 from graphs.engine import Engine, EngineConfig, Request
 from graphs.errors import ArtifactError, InputError, as_input_error
+from graphs.integrity import recheck
 from graphs.kv import inplace_mask
 from graphs.limits import check_eagle_tree, check_medusa_tree
 from graphs.manifest import Manifest
@@ -101,7 +102,15 @@ class Decoder:
         self.draft_spec = m.graphs.get("draft")
         # with a one-sequence graph (below) the base runs only batches of trees: made when one comes
         one_sequence = bool(m.one_sequence_file) and C.kv_in_place(self.base_spec) and self.provider == "cpu"
-        self.base = LazySession(lambda: session("base")) if one_sequence else session("base")
+        def late_session(role):  # opened long after the check: the files must still be what it verified
+            spec = m.graphs[role]
+            rels = [r for r in m.files if r == spec.file or r.startswith(spec.file + ".")]  # (+ external data)
+            recheck(self.out_dir, m.files, m.checked, rels, verify)
+            sess = session(role)
+            recheck(self.out_dir, m.files, m.checked, rels, verify)  # (and not swapped while it was read)
+            return sess
+
+        self.base = LazySession(lambda: late_session("base")) if one_sequence else session("base")
         self.draft = session("draft")
         # one-call EAGLE trees (graphs.eagle_draft): a session per baked (topk, depth, total_tokens)
         if eagle_draft not in DRAFT_MODES:

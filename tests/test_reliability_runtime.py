@@ -319,6 +319,37 @@ def test_a_write_through_a_shared_mmap_is_caught_by_the_full_check(exported, tmp
         load(d, verify="full")
 
 
+@pytest.mark.parametrize("verify", ["auto", "full"])
+def test_a_base_swapped_before_the_first_batch_is_refused_not_decoded(exported, tmp_path, verify):
+    """An optimized export opens base.onnx at the first batch of trees (its one-sequence graph runs
+    everything else), long after graphs.load checked it: a base with other weights swapped in between
+    is refused with the file named (it decoded before); the verified bytes put back decode as ever."""
+    import onnx
+    from onnx import numpy_helper
+
+    from exporter.optimize import optimize_export
+
+    d = copy(exported("medusa"), tmp_path / "lazy")
+    optimize_export(d, progress=None, time_gain=False, tune=False)
+    prompts = [[5, 9, 3], [7, 1, 4, 4]]
+    want = [r.token_ids for r in load(d, verify="full").generate(prompts, max_new_tokens=6, mode="speculative")]
+    dec = load(d, verify=verify)
+    assert dec._one_sequence is not None and not dec.base.loaded  # (the lazy path this guards)
+    original = (d / "base.onnx").read_bytes()
+    model = onnx.load(str(d / "base.onnx"))
+    big = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
+    big.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(big) * -3.0, big.name))
+    onnx.save(model, str(tmp_path / "other.onnx"))
+    os.replace(tmp_path / "other.onnx", d / "base.onnx")  # swapped after the load's check
+    with pytest.raises(ArtifactError, match=r"base\.onnx changed after graphs\.load checked it"):
+        dec.generate(prompts, max_new_tokens=6, mode="speculative")
+    assert not dec.base.loaded
+    (tmp_path / "back.onnx").write_bytes(original)
+    os.replace(tmp_path / "back.onnx", d / "base.onnx")  # the verified bytes again (a new inode)
+    assert [r.token_ids for r in dec.generate(prompts, max_new_tokens=6, mode="speculative")] == want
+    assert dec.base.loaded
+
+
 def test_young_files_are_hashed_every_time(exported, tmp_path, monkeypatch):
     """Within the racy window (a change in the same timestamp tick would be invisible) no record is kept."""
     d = copy(exported("medusa"), tmp_path / "young")
