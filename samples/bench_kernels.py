@@ -2,7 +2,7 @@
 and whether each gives a row the same result whatever the call's row count (the lossless contract).
 
     python samples/bench_kernels.py [--k 512] [--n 1536] [--layers 12] [--rows 1,2,3,4,6,8,16]
-        [--threads 2] [--rounds 7] [--json F]
+        [--threads 2] [--rounds 7] [--blocks 32,64,128] [--force-fp32] [--json F]
 
 A chain of ``--layers`` matmuls (K x N weights, the 19M model's MLP shape by default; ``--k 2048 --n
 5632`` is TinyLlama-1.1B's) run bare under ONNX Runtime, one graph per kernel:
@@ -19,6 +19,13 @@ A chain of ``--layers`` matmuls (K x N weights, the 19M model's MLP shape by def
 - ``int8-row``: activations quantized per row by hand (Abs, ReduceMax, scale, round, uint8), integer
   MatMulInteger, rescaled per row and column: row-consistent by construction (exact int32 sums). No
   library writes this form (quantize_dynamic quantizes per tensor), hence the hand-built graph.
+- with ``--blocks``, ``int4-l0-bB`` / ``int4-l4-bB`` for each other block size B (``--block-size``);
+  with ``--force-fp32``, ``int4-l4-fp32``: the int4-l4 graph run with the session option
+  ``mlas.qnbit.force_fp32`` (MLAS computes it in float32, as level 0).
+
+Row consistency is reported twice: a row alone against the same row inside a call of M rows (the
+autoregressive step against a verify: MLAS has separate M == 1 kernels), and calls of 2+ rows against
+the largest (verifies of different sizes against each other).
 
 Every round runs each kernel at each row count, kernels interleaved (the same machine state for all);
 the median over rounds is reported, with each cost relative to one row and, per kernel, the largest
@@ -110,7 +117,11 @@ def _per_row_int8(proto):
     return proto
 
 
-def build(k: int, n: int, layers: int, work: Path, log=print) -> dict[str, Path]:
+FORCE_FP32 = {"mlas.qnbit.force_fp32": "1"}  # the session option that makes MLAS compute level 4 in float32
+
+
+def build(k: int, n: int, layers: int, work: Path, log=print, blocks=(32,), force_fp32: bool = False
+          ) -> dict[str, Path]:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -122,6 +133,13 @@ def build(k: int, n: int, layers: int, work: Path, log=print) -> dict[str, Path]
     for name, bits, level in (("int4-l0", 4, 0), ("int4-l4", 4, 4), ("int8-l4", 8, 4)):
         paths[name] = work / f"{name}.onnx"
         onnx.save(quantize_weights(onnx.load(paths["fp32"]), bits, 32, level)[0], paths[name])
+    if force_fp32:
+        paths["int4-l4-fp32"] = paths["int4-l4"]  # the same graph; measure() adds FORCE_FP32 to its session
+    for block in (b for b in blocks if b != 32):
+        for level in (0, 4):
+            name = f"int4-l{level}-b{block}"
+            paths[name] = work / f"{name}.onnx"
+            onnx.save(quantize_weights(onnx.load(paths["fp32"]), 4, block, level)[0], paths[name])
     paths["int8-tensor"] = work / "int8-tensor.onnx"
     # reduce_range: 7-bit weights, for the same saturation as the per-row form's (see _per_row_int8)
     quantize_dynamic(str(paths["fp32"]), str(paths["int8-tensor"]), weight_type=QuantType.QInt8, reduce_range=True)
@@ -135,16 +153,23 @@ def measure(paths: dict[str, Path], k: int, rows: list[int], threads: int, round
             log=print) -> dict:
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    sessions = {name: ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"])
-                for name, p in paths.items()}
+    def session(name, p):
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.log_severity_level = 3
+        for key, value in (FORCE_FP32 if name.endswith("-fp32") else {}).items():
+            so.add_session_config_entry(key, value)
+        return ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"])
+
+    sessions = {name: session(name, p) for name, p in paths.items()}
     x = np.random.default_rng(1).standard_normal((max(rows), k)).astype(np.float32)
-    consistency = {}
-    for name, s in sessions.items():  # row r alone vs inside a call of M rows, every M
+    consistency, multi = {}, {}
+    for name, s in sessions.items():  # row r alone vs inside a call of M rows, every M; and M rows vs the most
         alone = np.concatenate([s.run(None, {"x": x[r:r + 1]})[0] for r in range(max(rows))])
+        most = s.run(None, {"x": x[: max(rows)]})[0]
         consistency[name] = max(float(np.abs(s.run(None, {"x": x[:m]})[0] - alone[:m]).max()) for m in rows)
+        multi[name] = max([float(np.abs(s.run(None, {"x": x[:m]})[0] - most[:m]).max()) for m in rows if m > 1]
+                          or [0.0])
     times = {name: {m: [] for m in rows} for name in sessions}
     for rnd in range(rounds):
         for m in rows:
@@ -161,7 +186,7 @@ def measure(paths: dict[str, Path], k: int, rows: list[int], threads: int, round
     for name in sessions:
         ms = {m: statistics.median(v) for m, v in times[name].items()}
         out[name] = {"ms": ms, "relative_to_one_row": {m: ms[m] / ms[rows[0]] for m in rows},
-                     "row_consistency_max_abs": consistency[name]}
+                     "row_consistency_max_abs": consistency[name], "multi_row_consistency_max_abs": multi[name]}
     return out
 
 
@@ -173,30 +198,39 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,2,3,4,6,8,16", help="row counts M of a call (the first is the base)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--blocks", default="32", help="int4 block sizes to add at levels 0 and 4 (default: 32 only)")
+    ap.add_argument("--force-fp32", action="store_true",
+                    help="add int4-l4 run with the session option mlas.qnbit.force_fp32")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     try:
         rows = [int(r) for r in args.rows.split(",")]
     except ValueError:
         rows = []
+    try:
+        blocks = [int(b) for b in args.blocks.split(",")]
+    except ValueError:
+        blocks = []
     problem = next((msg for bad, msg in (
         (not rows or rows[0] != 1 or rows != sorted(set(rows)),
          f"--rows {args.rows!r} must be increasing row counts from 1, e.g. 1,2,4,8"),
         (min(args.k, args.n, args.layers, args.rounds, args.threads) < 1,
          "--k, --n, --layers, --rounds and --threads must each be >= 1"),
         (args.k > args.n, f"--k {args.k} must be <= --n {args.n} (the chain keeps each call's first k columns)"),
+        (not blocks or any(b < 16 or b & (b - 1) for b in blocks),
+         f"--blocks {args.blocks!r} must be powers of two >= 16, e.g. 32,64,128"),
     ) if bad), None)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="bench-kernels.") as work:
-        paths = build(args.k, args.n, args.layers, Path(work))
+        paths = build(args.k, args.n, args.layers, Path(work), blocks=blocks, force_fp32=args.force_fp32)
         res = measure(paths, args.k, rows, args.threads, args.rounds)
     print(f"ms per call of {args.layers} x ({args.k} x {args.n}), relative to {rows[0]} row(s); row consistency")
-    print(f"{'kernel':12s} " + " ".join(f"{m:>12d}" for m in rows) + "   max |alone - in a call|")
+    print(f"{'kernel':14s} " + " ".join(f"{m:>12d}" for m in rows) + "   max |alone - in a call|  2+ rows")
     for name, r in res.items():
         cells = " ".join(f"{r['ms'][m]:6.3f} {r['relative_to_one_row'][m]:4.2f}x" for m in rows)
-        print(f"{name:12s} {cells}   {r['row_consistency_max_abs']:.1e}")
+        print(f"{name:14s} {cells}   {r['row_consistency_max_abs']:.1e}  {r['multi_row_consistency_max_abs']:.1e}")
     if args.json:
         report = {"schema": "specexport.bench_kernels/1", "k": args.k, "n": args.n, "layers": args.layers,
                   "rows": rows, "threads": args.threads, "rounds": args.rounds, "kernels": res}

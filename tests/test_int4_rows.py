@@ -200,3 +200,34 @@ def test_the_margin_is_the_prefill_logits_top_two(int4_export):
     logits = dec.base_forward(kv, np.array([[5, 9, 3]]), np.arange(3)[None], np.tril(np.ones((1, 3, 3), bool)))
     last = np.sort(logits["logits"][0, -1].astype(np.float64))
     assert got["margin"] == pytest.approx(last[-1] - last[-2]) and got["margin"] >= 0
+
+
+def test_a_level4_refusal_at_another_block_size_names_block_32(exported, tmp_path, monkeypatch):
+    """At level 4, blocks of 64/128 run MLAS kernels whose rows depend on the call's row count (SmolLM2:
+    calls of 2+ rows 1.4 logits apart at block 128, 0.0 at 32): the refusal names block 32 first."""
+    from exporter.loading import UserError
+
+    def fake(*_a, **_k):
+        return {"single": 0.0, "multi": 1.0, "tree": 0.0, "sizes": list(parity.ROW_SIZES)}
+
+    monkeypatch.setattr(parity, "row_consistency", fake)
+    out = _copy(exported, tmp_path)
+    with pytest.raises(UserError, match=r"--block-size 32 \(or --accuracy-level 0"):
+        optimize_export(out, quantize="int4", block_size=128, **QUIET)
+    assert not Manifest.read(out).optimization  # untouched
+
+
+def test_row_logits_take_real_tokens(exported):
+    """``ids`` (real text where the gate draws random tokens): the same logits as the draw they equal."""
+    out = exported("medusa")
+    m = Manifest.read(out)
+    spec, vocab = m.graphs["base"], m.source["vocab_size"]
+    path = out / spec.file
+    drawn = np.random.default_rng(3).integers(0, vocab, 20 + 4).astype(np.int64)
+    want = parity.row_logits(path, spec, vocab, sizes=(1, 4), seed=3)
+    got = parity.row_logits(path, spec, vocab, sizes=(1, 4), seed=3, ids=drawn)
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    shorter = parity.row_logits(path, spec, vocab, sizes=(1, 4), ids=drawn[6:])  # a past of 14
+    assert shorter[4].shape == (4, vocab)
+    with pytest.raises(ValueError, match="no past"):
+        parity.row_logits(path, spec, vocab, sizes=(1, 4), ids=drawn[:4])

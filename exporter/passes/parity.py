@@ -191,18 +191,27 @@ def consistency(logits: dict) -> dict:
 
 
 def row_logits(path: Path, spec: C.GraphSpec, vocab: int, sizes=ROW_SIZES, past: int = 20, threads: int = 1,
-               seed: int = 7, kv_dims: tuple[int, int] | None = None, provider: str = "cpu", session=None) -> dict:
+               seed: int = 7, kv_dims: tuple[int, int] | None = None, provider: str = "cpu", session=None,
+               ids=None) -> dict:
     """M -> the (M, vocab) float64 logits of the first M tokens of one chain after a past (batch 1);
     "tree" -> the logits of the whole chain's tokens called as one path of a tree with side branches.
     ``session``: ``path``'s, made once by a caller that calls several seeds (else made here); ``sizes``
-    ``(16,)``: the whole chain only (and its tree)."""
+    ``(16,)``: the whole chain only (and its tree). ``ids``: the past and the chain's tokens (``past +
+    max(sizes)`` of them; e.g. real text, where the gate draws random ones from ``seed``)."""
     from graphs.sessions import make_session
     from graphs.trees import Tree
 
     s = session if session is not None else make_session(path, provider, threads)
     rng = np.random.default_rng(seed)
     t = max(sizes)
-    ids = rng.integers(0, vocab, past + t).astype(np.int64)
+    if ids is None:
+        ids = rng.integers(0, vocab, past + t).astype(np.int64)
+    else:
+        ids = np.asarray(ids, dtype=np.int64)
+        rng.integers(0, vocab, len(ids))  # the draw it stands for: the tree's side branches stay the seed's
+        past = len(ids) - t
+        if past < 1:
+            raise ValueError(f"row_logits: {len(ids)} ids hold no past before a chain of {t}")
     kv = spec.input(C.past_key(0)).dims
     if len(kv) == 3:
         kv = (kv[0], kv_dims[0], kv[1], kv_dims[1])
