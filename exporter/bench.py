@@ -127,6 +127,8 @@ def main(argv=None) -> int:
         report = bench(args.out_dir, opts, log=lambda *a: print(*a, file=sys.stderr))
         for e in report["systems"]:
             print(R.line(e, report["anchor"]))
+        for text in R.category_lines(report):
+            print(text)
         for g in report["greedy"] if isinstance(report["greedy"], list) else []:
             if g["prompts_equal"] == g["prompts_compared"]:
                 print(f"greedy tokens equal: {g['system']} = {g['reference']} on {g['prompts_compared']} prompts")

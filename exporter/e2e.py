@@ -30,6 +30,9 @@ class TokenRow:
     mean_accepted_length: float
     quantized: bool = False  # gate: speculative == autoregressive only; PyTorch agreement reported
     torch_agreement: int | None = None  # leading new tokens equal to PyTorch's (quantized rows)
+    category: str = ""  # the built-in chat prompts' category ("" for other prompts)
+    speculative_steps: int = 0  # base forwards that verified drafts
+    accepted_per_pos: list[int] | None = None  # [k]: drafted steps that accepted more than k drafts
 
     @property
     def ok(self) -> bool:
@@ -51,10 +54,12 @@ def check_prompts(prompts: list | None) -> None:
             raise UserError(f"--prompt #{i + 1} is empty; give each prompt at least one token of text")
 
 
-def compare_tokens(model, decoder, prompts: list, max_new_tokens: int = 32, quantized: bool = False) -> list[TokenRow]:
+def compare_tokens(model, decoder, prompts: list, max_new_tokens: int = 32, quantized: bool = False,
+                   categories: list[str] | None = None) -> list[TokenRow]:
     """Greedy tokens of ``model`` (PyTorch) vs ``decoder`` (graphs.Decoder) for each prompt.
 
     ``quantized``: the decoder's base is quantized, a different model; see the module docstring.
+    ``categories``: each prompt's category, for the acceptance by category.
     """
     check_prompts(prompts)
     rows = []
@@ -82,11 +87,16 @@ def compare_tokens(model, decoder, prompts: list, max_new_tokens: int = 32, quan
             mean_accepted_length=spec.stats.mean_accepted_length if spec else 1.0,
             quantized=quantized,
             torch_agreement=(len(ref) if agree is None else agree) if quantized else None,
+            category=categories[i] if categories else "",
+            speculative_steps=spec.stats.speculative_steps if spec else 0,
+            accepted_per_pos=list(spec.stats.accepted_per_pos) if spec else None,
         ))
     return rows
 
 
 def default_prompts(decoder, n: int = 4, seed: int = 0) -> list:
+    """Held-out chat prompts where the export has a chat template (one per category: see
+    :func:`chat_defaults`), else ``n`` Python snippets, else random ids."""
     if decoder.tokenizer is not None:
         from exporter.prompts import DEFAULT_PROMPTS
 
@@ -97,6 +107,38 @@ def default_prompts(decoder, n: int = 4, seed: int = 0) -> list:
     return [[int(t) for t in rng.integers(0, vocab, size=8) if int(t) not in banned] or [3] for _ in range(n)]
 
 
+def chat_defaults(out_dir) -> tuple[list[str], list[str]] | None:
+    """(prompts rendered with the export's chat template, their categories), or None without a template."""
+    from exporter.chat_prompts import heldout
+    from graphs.chat import ChatTemplate
+
+    template = ChatTemplate.from_export(out_dir)
+    if template is None:
+        return None
+    chats = heldout(1)
+    return [template.render(c.messages()) for c in chats], [c.category for c in chats]
+
+
+def by_category(rows: list[TokenRow]) -> dict:
+    """tau and acceptance per draft position, per category (and "all"), of the speculative runs."""
+    groups: dict[str, list[TokenRow]] = {}
+    for r in rows:
+        groups.setdefault(r.category or "all", []).append(r)
+    if len(groups) > 1:
+        groups["all"] = rows
+    out = {}
+    for cat, rs in groups.items():
+        steps = sum(r.speculative_steps for r in rs)
+        new = sum(len(r.speculative_tokens) for r in rs)
+        forwards = sum(len(r.speculative_tokens) / r.mean_accepted_length for r in rs if r.mean_accepted_length)
+        width = max((len(r.accepted_per_pos or []) for r in rs), default=0)
+        out[cat] = {"prompts": len(rs), "tau": new / forwards if forwards else 1.0,
+                    "acceptance_per_position": [sum((r.accepted_per_pos or [0] * width)[k]
+                                                    if k < len(r.accepted_per_pos or []) else 0 for r in rs)
+                                                / steps for k in range(width)] if steps else []}
+    return out
+
+
 def table(rows: list[TokenRow]) -> str:
     lines = [f"{'prompt':32} {'new':>4} {'tau':>5}  result"]
     for r in rows:
@@ -104,6 +146,10 @@ def table(rows: list[TokenRow]) -> str:
         if r.quantized:
             verdict += f"; PyTorch agrees on the first {r.torch_agreement} of {len(r.torch_tokens)}"
         lines.append(f"{r.prompt[:32]!r:32} {len(r.torch_tokens):4d} {r.mean_accepted_length:5.2f}  {verdict}")
+    if any(r.speculative_steps for r in rows):
+        for cat, a in by_category(rows).items():
+            lines.append(f"{cat:>14}: tau {a['tau']:.2f}, accepted per position "
+                         + " ".join(f"{x:.2f}" for x in a["acceptance_per_position"]))
     bad = sum(not r.ok for r in rows)
     if any(r.quantized for r in rows):
         lines.append("PASS: greedy tokens identical (speculative, autoregressive, on the same quantized graphs; "
@@ -115,4 +161,5 @@ def table(rows: list[TokenRow]) -> str:
 
 
 def to_json(rows: list[TokenRow]) -> dict:
-    return {"ok": all(r.ok for r in rows), "rows": [{**asdict(r), "ok": r.ok} for r in rows]}
+    return {"ok": all(r.ok for r in rows), "by_category": by_category(rows),
+            "rows": [{**asdict(r), "ok": r.ok} for r in rows]}

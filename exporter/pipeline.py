@@ -523,10 +523,13 @@ def compare_end_to_end(model_dir, out_dir, *, drafter=None, provider: str = "cpu
                         f"without new tokens")
     model = load_model(model_dir, drafter=drafter)
     decoder = graphs.load(out_dir, provider=provider)
-    prompts = prompts or e2e.default_prompts(decoder)
+    categories = None
+    if not prompts:
+        chat = e2e.chat_defaults(out_dir) if decoder.tokenizer is not None else None
+        prompts, categories = chat if chat else (e2e.default_prompts(decoder), None)
     quant = graph_quantization(Path(out_dir), decoder.manifest)
     return e2e.compare_tokens(model, decoder, prompts, max_new_tokens=max_new_tokens,
-                              quantized=quant.get("base", "none") != "none")
+                              quantized=quant.get("base", "none") != "none", categories=categories)
 
 
 # ----------------------------------------------------------------------------- variants (bench --variants)

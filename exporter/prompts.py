@@ -3,7 +3,8 @@
 A prompts file is read here for every command that takes one (``bench --prompts-file``, ``tune
 --prompts``): a text file holds one prompt per line (``\\n`` inside a line stands for a newline); a
 JSONL file (``.jsonl``, or every line a JSON object) holds ``{"prompt": "..."}`` or
-``{"messages": [...]}`` per line; a JSON list of strings holds one prompt per entry. Chat
+``{"messages": [...]}`` per line, with an optional ``"category"`` (reports group by it); a JSON list
+of strings holds one prompt per entry. Chat
 ``messages`` are rendered by the benchmark (:mod:`exporter.benchmark.prompts`), which has the chat
 template.
 """
@@ -73,10 +74,11 @@ def read_prompt_file(path, flag: str = "--prompts-file") -> list[dict]:
             obj = json.loads(ln)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{n}: not valid JSON ({e.msg}); JSONL needs one object per line") from None
+        cat = {"category": obj["category"]} if isinstance(obj, dict) and isinstance(obj.get("category"), str) else {}
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and obj["prompt"]:
-            entries.append({"prompt": obj["prompt"]})
+            entries.append({"prompt": obj["prompt"], **cat})
         elif isinstance(obj, dict) and valid_messages(obj.get("messages")):
-            entries.append({"messages": obj["messages"]})
+            entries.append({"messages": obj["messages"], **cat})
         else:
             raise UserError(f'{path}:{n}: each line needs a non-empty "prompt" string or a "messages" list of '
                             f'{{"role", "content"}} objects')

@@ -23,7 +23,8 @@ from exporter.prompts import DEFAULT_PROMPTS, read_prompt_file
 class Prompt:
     ids: list[int]
     text: str | None  # None for random-id prompts (an export without a tokenizer)
-    source: str  # "builtin" | "text" | "prompt" | "messages" | "random"
+    source: str  # "builtin" | "chat" | "prompt" | "messages" | "random"
+    category: str = ""  # what reports group by (the built-in chat set's categories, a file's "category")
 
 
 def load_chat_template(out_dir) -> tuple[str, dict]:
@@ -57,6 +58,14 @@ def load_chat_template(out_dir) -> tuple[str, dict]:
     return template, specials
 
 
+def has_chat_template(out_dir) -> bool:
+    try:
+        load_chat_template(out_dir)
+    except UserError:
+        return False
+    return True
+
+
 def _token_text(tok) -> str:
     if isinstance(tok, dict):  # AddedToken serialised
         return tok.get("content", "")
@@ -88,8 +97,9 @@ def build_prompts(out_dir, tokenizer, prompts_file=None, count: int | None = Non
                   vocab_size: int | None = None, banned=frozenset()) -> list[Prompt]:
     """The prompts of one benchmark run, tokenized once for every system.
 
-    ``count``: how many (cycling through the file or the built-in set); default: all of the file,
-    or 8 built-in prompts."""
+    Without a file: the held-out chat prompts (:mod:`exporter.chat_prompts`, 2 per category) where
+    the export has a chat template, else 8 built-in Python snippets. ``count``: how many (cycling
+    through the file or the built-in set); default: all of the file, or the built-in set's."""
     if count is not None and count < 1:
         raise UserError(f"--prompts must be >= 1, got {count}")
     if prompts_file is not None:
@@ -104,14 +114,25 @@ def build_prompts(out_dir, tokenizer, prompts_file=None, count: int | None = Non
                 chat = chat or load_chat_template(out_dir)
                 text = render_chat(chat[0], e["messages"], chat[1])
                 ids = tokenizer.encode(text, add_special_tokens=False).ids  # the template holds the specials
-                out.append(Prompt(ids, text, "messages"))
+                out.append(Prompt(ids, text, "messages", e.get("category", "")))
             else:
-                out.append(Prompt(tokenizer.encode(e["prompt"]).ids, e["prompt"], "prompt"))
+                out.append(Prompt(tokenizer.encode(e["prompt"]).ids, e["prompt"], "prompt", e.get("category", "")))
         empty = [i for i, p in enumerate(out) if not p.ids]
         if empty:
             raise UserError(f"prompt {empty[0] + 1} of {prompts_file} is empty after tokenization")
         n = len(out) if count is None else count
         return [out[i % len(out)] for i in range(n)]
+    if tokenizer is not None and has_chat_template(out_dir):  # a chat model: the held-out chat prompts
+        from exporter.chat_prompts import CATEGORIES, heldout
+
+        template, specials = load_chat_template(out_dir)
+        chats = heldout(2 if count is None else -(-count // len(CATEGORIES)))
+        chats = chats if count is None else [chats[i % len(chats)] for i in range(count)]
+        out = []
+        for c in chats:
+            text = render_chat(template, c.messages(), specials)
+            out.append(Prompt(tokenizer.encode(text, add_special_tokens=False).ids, text, "chat", c.category))
+        return out
     n = 8 if count is None else count
     if tokenizer is not None:
         texts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n)]

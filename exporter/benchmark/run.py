@@ -301,7 +301,7 @@ def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, logs: Pat
         for s in systems:
             S.close(s)
     n_tokens = [len(p.ids) for p in prompts]
-    entries = [R.summarize(s, n_tokens, bandwidth) for s in systems]
+    entries = [R.summarize(s, n_tokens, bandwidth, [p.category for p in prompts]) for s in systems]
     ok = {e["name"] for e in entries if e["status"] == "ok"}
     anchor = next((a for a in ("genai", "ours-ar") if a in ok), None)
     R.speedups(entries, [a for a in ("genai", "ours-ar", "ours-ar-opt", "genai-int4", "ours-ar-int4", "hf") if a in ok])

@@ -81,6 +81,8 @@ class OursRunner:
         return {"tokens": list(map(int, res.token_ids)), "prefill_s": s.time_prefill,
                 "decode_s": s.time_total - s.time_prefill, "draft_s": s.time_draft, "verify_s": s.time_verify,
                 "accepted": list(map(int, s.accepted)), "forwards": int(s.steps),
+                "accepted_per_pos": list(map(int, getattr(s, "accepted_per_pos", None) or [])),
+                "speculative_steps": int(getattr(s, "speculative_steps", 0) or 0),
                 # the runtime's own count covers the one-call EAGLE tree graphs too; the proxy, older runtimes
                 "draft_calls": int(getattr(s, "draft_calls", 0) or self.draft_calls)}
 
