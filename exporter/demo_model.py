@@ -153,7 +153,7 @@ def base_config(spec: DemoSpec, vocab_size: int):
     )
 
 
-def _windows(stream: torch.Tensor, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
+def windows(stream: torch.Tensor, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
     starts = torch.randint(0, len(stream) - length, (n,), generator=gen)
     return torch.stack([stream[s : s + length] for s in starts.tolist()])  # (n, length)
 
@@ -175,7 +175,7 @@ def pretrain_base(stream: torch.Tensor, vocab_size: int, spec: DemoSpec, seed: i
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for step in range(spec.base_steps):
-        batch = _windows(stream, spec.base_batch, spec.seq_len, gen)
+        batch = windows(stream, spec.base_batch, spec.seq_len, gen)
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -192,7 +192,7 @@ def pretrain_base(stream: torch.Tensor, vocab_size: int, spec: DemoSpec, seed: i
 
 @torch.no_grad()
 def eval_loss(model, stream: torch.Tensor, spec: DemoSpec, n: int = 16) -> float:
-    batch = _windows(stream, n, spec.seq_len, torch.Generator().manual_seed(1234))
+    batch = windows(stream, n, spec.seq_len, torch.Generator().manual_seed(1234))
     return model(input_ids=batch, labels=batch).loss.item()
 
 
@@ -205,11 +205,11 @@ def drafter_examples(model, stream: torch.Tensor, spec: DemoSpec, data: str, see
 
     gen = torch.Generator().manual_seed(seed + 1)
     if data == "text":
-        rows = _windows(stream, spec.distill_prompts, spec.seq_len, gen)
+        rows = windows(stream, spec.distill_prompts, spec.seq_len, gen)
         return [{"input_ids": r.tolist(), "attention_mask": [1] * len(r), "labels": r.tolist()} for r in rows]
     if data != "distill":
         raise ValueError(f"unknown data {data!r}; accepted: 'distill', 'text'")
-    prompts = _windows(stream, spec.distill_prompts, spec.prompt_len, gen).tolist()
+    prompts = windows(stream, spec.distill_prompts, spec.prompt_len, gen).tolist()
     examples = self_distill(model, None, prompts, spec.distill_new_tokens, batch_size=16, progress=clock)
     clock(f"self-distilled {len(examples)} examples, {sum(len(e['input_ids']) for e in examples)} tokens")
     return examples

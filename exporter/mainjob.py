@@ -113,20 +113,25 @@ def interleaved_training_prompts():
     return [v[i] for i in range(rounds) for v in by_cat.values() if i < len(v)]
 
 
-def train_drafter_for(model_dir: Path, base_export: Path, out: Path, cfg, log=print) -> dict:
-    """Distill + train a drafter for the base in ``model_dir``; saves base + drafter into ``out``."""
+def train_drafter_for(model_dir: Path, base_export: Path, out: Path, cfg, log=print, prompts=None,
+                      examples=None) -> dict:
+    """Distill + train a drafter for the base in ``model_dir``; saves base + drafter into ``out``.
+
+    ``prompts``: (category, token ids) pairs to distill (default: the training chat prompts);
+    ``examples``: training examples as they are (no distillation)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from exporter.speculative import training
     from exporter.speculative.checkpoint import huggingface_checkpointing_disabled
 
-    prompts = chat_prompt_ids(model_dir, interleaved_training_prompts())
+    if prompts is None and examples is None:
+        prompts = chat_prompt_ids(model_dir, interleaved_training_prompts())
     with huggingface_checkpointing_disabled():
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    report = training.run(model, base_export, prompts, cfg, tmp / "_trainer", log=log)
+    report = training.run(model, base_export, prompts or [], cfg, tmp / "_trainer", log=log, examples=examples)
     shutil.rmtree(tmp / "_trainer", ignore_errors=True)
     model.save_pretrained(tmp)
     for name in SIDE_FILES:  # tokenizer, chat template, generation config: as the base has them

@@ -6,8 +6,12 @@ Default: build the demo model (a tiny Llama pretrained on the Python standard li
     python -m samples.train_drafter --out demo_medusa --mode medusa
     python -m samples.train_drafter --out demo_eagle3 --mode eagle3 --data text
 
-With ``--base DIR`` (a saved HF causal LM with a ``tokenizer.json``), skip the pretraining and train
-a drafter for that model on self-distilled standard-library text instead.
+With ``--base DIR`` (a saved HF causal LM with a ``tokenizer.json``, or a ``.gguf``), skip the
+pretraining and train a drafter for that model the scalable way (``exporter.speculative.training``):
+the base's own answers to the project's chat prompts (standard-library text for a base without a chat
+template) decoded by our engine, its features cached once, a seconds budget over the whole run::
+
+    python samples/train_drafter.py --out smol-eagle3 --mode eagle3 --base model.gguf --budget-s 360
 The output loads with ``AutoModelForCausalLM.from_pretrained`` after
 ``exporter.speculative.enable_huggingface_checkpointing()``, and is what the exporter takes.
 """
@@ -36,35 +40,46 @@ class _DefaultsUnlessUnset(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 def train_for_base(base_dir, out_dir, mode: str, spec: DemoSpec, data: str = "distill", seed: int = 0,
-                   log=print) -> Path:
-    """Attach and train a ``mode`` drafter for an existing base model saved in ``base_dir``."""
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
+                   budget_s: float | None = None, log=print) -> Path:
+    """Attach and train a ``mode`` drafter for an existing base (a model directory or a .gguf).
 
-    from exporter import demo_model as dm
-    from exporter.speculative import convert
-    from exporter.speculative.checkpoint import huggingface_checkpointing_disabled
+    The scalable path (:mod:`exporter.speculative.training`): an autoregressive export of the base
+    distills (chat prompts where the base has a chat template, else standard-library windows), the
+    frozen base's features are cached once, the drafter trains on the cache within ``budget_s``."""
+    from exporter import mainjob, pipeline
+    from exporter.hub import resolve_model
+    from exporter.speculative.training import Example, TrainingConfig
+    from graphs.manifest import MANIFEST
 
     clock = Clock(log)
-    base_dir, out_dir = Path(base_dir), Path(out_dir)
-    tok = Tokenizer.from_file(str(base_dir / "tokenizer.json"))
-    with huggingface_checkpointing_disabled():  # the base alone, even if base_dir carries a drafter
-        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    clock(f"loaded {base_dir}: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M")
-    stream = dm.encode_corpus(tok, dm.read_corpus(spec.corpus_bytes))
-    examples = dm.drafter_examples(model, stream, spec, data, seed, clock)
-    kind, cfg = MODES[mode]
-    convert(model, [(kind, dict(cfg))])
-    held = examples[: max(1, len(examples) // 8)]
-    dm.train_drafter(model, examples[len(held) :] or examples, spec, out_dir / "_trainer", seed, clock)
-    acc = dm.drafter_accuracy(model, held)
-    clock(f"drafter on held-out examples: {acc}")
-    model.save_pretrained(out_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (base_dir / name).is_file() and not (out_dir / name).is_file():
-            (out_dir / name).write_bytes((base_dir / name).read_bytes())
-    dm._rmtree(out_dir / "_trainer")
-    clock(f"saved {out_dir}")
+    base_dir, out_dir = resolve_model(base_dir), Path(out_dir)
+    cfg = TrainingConfig(mode=mode, max_new_tokens=spec.distill_new_tokens, seconds_budget=budget_s, seed=seed,
+                         batch_size=spec.drafter_batch, learning_rate=spec.drafter_lr,
+                         epochs=max(1.0, spec.drafter_steps * spec.drafter_batch / max(spec.distill_prompts, 1)))
+    ar = out_dir.with_name(f".{out_dir.name}.base-ar")
+    if not (ar / MANIFEST).is_file():
+        pipeline.export(base_dir, ar, overwrite=ar.exists(), log=lambda *a, **k: clock(" ".join(map(str, a))))
+    examples = prompts = None
+    from graphs.chat import ChatTemplate
+
+    if ChatTemplate.from_export(base_dir) is not None:
+        prompts = mainjob.chat_prompt_ids(base_dir, mainjob.interleaved_training_prompts())[: spec.distill_prompts]
+    else:
+        from tokenizers import Tokenizer
+
+        from exporter import demo_model as dm
+
+        tok = Tokenizer.from_file(str(base_dir / "tokenizer.json"))
+        stream = dm.encode_corpus(tok, dm.read_corpus(spec.corpus_bytes))
+        g = torch.Generator().manual_seed(seed + 1)
+        if data == "text":
+            rows = dm.windows(stream, spec.distill_prompts, spec.seq_len, g).tolist()
+            examples = [Example([], r, "python") for r in rows]
+        else:
+            rows = dm.windows(stream, spec.distill_prompts, spec.prompt_len, g).tolist()
+            prompts = [("python", r) for r in rows]
+    report = mainjob.train_drafter_for(base_dir, ar, out_dir, cfg, clock, prompts=prompts, examples=examples)
+    clock(f"saved {out_dir} (held-out acceptance: {report['heldout_acceptance'].get('all')})")
     return out_dir
 
 
@@ -80,8 +95,9 @@ def main(argv=None) -> Path:
     p.add_argument("--base", type=Path, help="an existing HF model dir (with tokenizer.json); unset: train the "
                    "demo base too")
     p.add_argument("--seed", type=int, default=0, help="seed of the data order and initialisation")
-    p.add_argument("--seconds-budget", type=float, default=None,
-                   help="stop training early past this many seconds (gives up determinism)")
+    p.add_argument("--seconds-budget", "--budget-s", type=float, default=None,
+                   help="stop early past this many seconds (gives up determinism); with --base it bounds "
+                        "distillation + features + training")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (unset: torch's choice)")
     p.add_argument("--tiny", action="store_true", help="seconds-long smoke run (tests)")
     for f in dataclasses.fields(DemoSpec):  # --base-steps, --drafter-steps, --hidden-size, ...
@@ -97,7 +113,8 @@ def main(argv=None) -> Path:
     overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     spec = dataclasses.replace(spec, **overrides)
     if args.base is not None:
-        return train_for_base(args.base, args.out, args.mode, spec, data=args.data, seed=args.seed)
+        return train_for_base(args.base, args.out, args.mode, spec, data=args.data, seed=args.seed,
+                              budget_s=args.seconds_budget)
     return build_demo_model(args.out, mode=args.mode, seconds_budget=args.seconds_budget, seed=args.seed,
                             spec=spec, data=args.data)
 
