@@ -10,8 +10,6 @@ import sys
 from graphs.errors import InputError
 from graphs.serve.config import ServeConfig
 
-FD_RESERVE = 64  # descriptors kept for the server itself (graphs, logs, the event loop, threads): measured
-# about 25 for a loaded export
 log = logging.getLogger("graphs.serve")
 
 FLAGS = {  # field -> help (the dataclass holds the defaults and the long explanations)
@@ -31,9 +29,9 @@ FLAGS = {  # field -> help (the dataclass holds the defaults and the long explan
     "max_messages": "chat messages a request may hold; more is a 400 (default 1024)",
     "header_timeout": "seconds a connection may take to send a request's headers; then 408, closed (default 10)",
     "body_timeout": "seconds a request may take to send its body after its headers; then 408, closed (default 30)",
-    "keep_alive_timeout": "seconds an idle keep-alive connection stays open (default 5)",
+    "keep_alive_timeout": "seconds an idle keep-alive connection stays open (default 30)",
     "max_connections": "open connections at most; one more gets a 503 and is closed (default 512, lowered to "
-                       "the open-file limit - 64)",
+                       "the open-file limit - 192)",
     "graceful_timeout": "on SIGTERM: seconds in-flight requests may finish in; then each ends with an error "
                         "body or error chunk + [DONE] (default 30)",
     "prep_threads": "threads that render chat templates and tokenize long prompts (default 1)",
@@ -116,7 +114,7 @@ def make_server(app, config: ServeConfig, level: str = "info"):
     requests still running with an error the client can read (ServerState.drain)."""
     import uvicorn
 
-    from graphs.serve.connections import guarded_protocol
+    from graphs.serve.connections import BACKLOG, guarded_protocol
 
     state = app.state.serve
     http = guarded_protocol(config.header_timeout, config.body_timeout, connection_cap(config.max_connections),
@@ -127,13 +125,16 @@ def make_server(app, config: ServeConfig, level: str = "info"):
             state.drain(config.graceful_timeout)
             await super().shutdown(sockets=sockets)
 
-    return Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=level, http=http,
+    return Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=level, http=http, backlog=BACKLOG,
                                  timeout_keep_alive=config.keep_alive_timeout,
                                  timeout_graceful_shutdown=config.graceful_timeout, access_log=level == "debug"))
 
 
 def connection_cap(wanted: int) -> int:
-    """``wanted``, or fewer where the process's open-file limit would run out first."""
+    """``wanted``, or fewer where the process's open-file limit would run out first (connections.FD_RESERVE
+    left free: the server's own files, refused connections waiting for their 503, one accept batch)."""
+    from graphs.serve.connections import FD_RESERVE
+
     try:
         import resource
 

@@ -299,15 +299,15 @@ def create_app(out_dir, config: ServeConfig | None = None, on_load_failure=None,
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise APIError(413, f"the request body of {length} bytes is over the limit of {limit}",
-                           code="body_too_large", headers={"Connection": "close"})
+                           code="body_too_large")  # (the connection stays: the rest is read and dropped,
+            # under the body timeout; closing over unread bytes would reset it and lose this answer)
 
         async def read() -> bytes:
             parts, size = [], 0
             async for piece in request.stream():
                 size += len(piece)
                 if size > limit:
-                    raise APIError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large",
-                                   headers={"Connection": "close"})
+                    raise APIError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
                 parts.append(piece)
             return b"".join(parts)
 
@@ -411,13 +411,16 @@ def create_app(out_dir, config: ServeConfig | None = None, on_load_failure=None,
         reason = ev.finish_reason
         if isinstance(ev, Ending):
             error = ev.error
-        elif reason == "error":
-            error = APIError(500, getattr(ev, "message", None) or "the engine failed", code="engine_error")
+        elif reason == "error":  # the worker's ErrorEvent: its status and code when it has them
+            status = getattr(ev, "status", None) or 500
+            error = APIError(status, getattr(ev, "message", None) or "the engine failed",
+                             code=getattr(ev, "code", None) or "engine_error",
+                             headers={"Retry-After": str(config.retry_after)} if status in (429, 503) else None)
         elif finished_reason(ev) == "error":
-            if reason == "deadline" or "timeout" in str(reason) or "deadline" in str(reason):
-                error = APIError(503, f"the request timed out after {config.request_timeout:g} s (--request-timeout) "
-                                 "before its first token: the server is overloaded; retry later",
-                                 code="request_timeout", headers={"Retry-After": str(config.retry_after)})
+            if "timeout" in str(reason) or "deadline" in str(reason):
+                error = APIError(503, f"timeout while queued: the request's {config.request_timeout:g} s timeout "
+                                 "passed before its first token (the server is busy); retry later",
+                                 code="queue_timeout", headers={"Retry-After": str(config.retry_after)})
             else:
                 error = APIError(500, f"the engine ended the request with {reason!r}", code="engine_error")
         else:
@@ -517,8 +520,8 @@ def _max_new(spec: Spec, n_prompt: int, limits: Limits) -> int:
     if n_prompt + spec.max_tokens > limits.max_len:
         raise bad(f"This model's maximum context length is {limits.max_len} tokens. However, you requested "
                   f"{n_prompt + spec.max_tokens} tokens ({n_prompt} in the {where}, {spec.max_tokens} in the "
-                  f"completion). Please reduce the length of the {where} or completion.", where,
-                  "context_length_exceeded")
+                  f"completion). Please reduce the length of the {where} or completion ({spec.max_tokens_param}).",
+                  spec.max_tokens_param if n_prompt < limits.max_len else where, "context_length_exceeded")
     return spec.max_tokens
 
 

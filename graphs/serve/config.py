@@ -43,11 +43,13 @@ class ServeConfig:
     no such timeout: a slowloris holds a connection forever)."""
     body_timeout: float = 30.0
     """Seconds a request may take to send its body once its headers are in; then 408 and closed."""
-    keep_alive_timeout: float = 5.0
-    """Seconds an idle keep-alive connection stays open between requests (uvicorn's timeout_keep_alive)."""
+    keep_alive_timeout: float = 30.0
+    """Seconds an idle keep-alive connection stays open between requests (uvicorn's timeout_keep_alive).
+    Longer than the 5 s after which httpx's (and so openai's) pools drop an idle connection: a server
+    that closed first could close one a client is sending on."""
     max_connections: int = 512
-    """Open connections at most; one more is answered 503 and closed at once. Lowered at start to
-    leave 64 descriptors of the process's open-file limit to the server itself."""
+    """Open connections at most; one more is answered 503 and closed. Lowered at start to leave 192
+    descriptors of the process's open-file limit free (graphs.serve.connections.FD_RESERVE)."""
     graceful_timeout: float = 30.0
     """On SIGTERM/SIGINT: seconds in-flight requests may take to finish; then each ends with an
     error (a stream: an error chunk and [DONE]; otherwise an OpenAI error body, 503)."""

@@ -8,10 +8,11 @@ once a request's headers are complete, so stalled connections are never refused,
 subclassed, adds:
 
     header timer   armed when a connection opens, or when bytes of its next request arrive; disarmed
-                   when the headers are complete. Fires: 408, closed
+                   when the headers are complete. Fires: 408 (if any of a request came), closed
     body timer     armed when the headers are complete and the body is not; disarmed when it is.
                    Fires: 408 unless a response has started (the app then reads a disconnect), closed
-    cap            a connection beyond ``max_connections`` gets a 503 at once and is closed
+    cap            a connection beyond ``max_connections`` gets a 503 at once and is closed when its
+                   request arrives (or after REFUSED_LINGER_S); beyond REFUSED_POLITE more, closed at once
 
     http = guarded_protocol(header_timeout=10, body_timeout=30, max_connections=512)
     uvicorn.Config(app, http=http, ...)        # h11 whatever is installed (httptools has the same gaps)
@@ -26,6 +27,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 REFUSED_LINGER_S = 1.0  # a refused connection's request is read and dropped this long (a close with
 # unread bytes is a TCP reset, which can destroy the 503 before the client reads it)
+REFUSED_POLITE = 32  # refused connections that may wait for their 503 at once; beyond, closed at once
+BACKLOG = 128  # the listen queue, and so asyncio's accept batch: descriptors taken before any check runs
+FD_RESERVE = 32 + REFUSED_POLITE + BACKLOG  # descriptors the cap leaves free (the server's own: 11 measured)
 
 
 def raw_error(status: int, reason: str, message: str, code: str, retry_after: int | None = None) -> bytes:
@@ -53,6 +57,9 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_connections
             if len(self.connections) > max_connections:
                 self._refused = True
                 count("connections")
+                if len(self.connections) > max_connections + REFUSED_POLITE:  # a flood: no descriptor to spare
+                    transport.abort()
+                    return
                 transport.write(raw_error(503, "Service Unavailable",
                                           f"the server holds {max_connections} connections, its limit; retry later",
                                           "too_many_connections", retry_after))
@@ -61,8 +68,9 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_connections
             self._arm("header", header_timeout, self._expired)
 
         def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return  # read and dropped
+            if self._refused:  # its request is read: closing now sends no reset over unread bytes
+                self._close()
+                return
             super().data_received(data)
             self._track()
 
@@ -108,7 +116,9 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_connections
                 return
             count(f"{kind}_timeout")
             cycle = self.cycle if kind == "body" else None
-            if cycle is None or not cycle.response_started:
+            if kind == "header" and not self.conn.trailing_data[0]:
+                pass  # nothing of a request arrived (a new or idle connection): closed without a word
+            elif cycle is None or not cycle.response_started:
                 self.transport.write(raw_error(408, "Request Timeout",
                                                f"the request's {'headers' if kind == 'header' else 'body'} did not "
                                                f"arrive within {seconds:g} s", "request_timeout"))

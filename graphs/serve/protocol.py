@@ -152,6 +152,7 @@ class Spec:
     stream: bool = False
     include_usage: bool = False
     add_special_tokens: bool = True  # chat: the template holds the specials
+    max_tokens_param: str = "max_tokens"  # the key max_tokens came from (chat: max_completion_tokens too)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -253,7 +254,9 @@ def parse_chat(body, limits: Limits) -> tuple[Spec, list[dict]]:
         raise bad("pass max_completion_tokens or max_tokens, not both", "max_tokens")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _max_tokens(body, key, limits)
-    return _spec("chat", None, body, max_tokens, limits, add_special_tokens=False), out
+    spec = _spec("chat", None, body, max_tokens, limits, add_special_tokens=False)
+    spec.max_tokens_param = key
+    return spec, out
 
 
 def _check_keys(body, allowed: set) -> dict:

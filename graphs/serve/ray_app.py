@@ -15,7 +15,10 @@ its engine runs (``check_health``), so no traffic reaches one that is loading.
 On a Ray cluster the same config runs unchanged with ``serve deploy samples/serve_ray.yaml`` against
 the cluster's address (``ray start --head`` on one machine, ``ray start --address=HEAD:6379`` on
 the others); the export directory must exist at the same path on every node (or give each replica's
-``out_dir`` a shared filesystem path).
+``out_dir`` a shared filesystem path). On one machine Ray core still listens on every interface:
+docs/serve.md runs it in a network namespace with only loopback, and says where Ray's token
+(``~/.ray/auth_token``) comes in. The connection limits of ``python -m graphs.serve`` are not here
+(Ray's proxy owns the sockets); the app's own limits (body timeout, admission, the prep pool) are.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ DEFAULTS = {
     "max_queued_requests": 256,
     "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8,
                            "upscale_delay_s": 10, "downscale_delay_s": 120},
-    "ray_actor_options": {"num_cpus": 2},
+    "ray_actor_options": {"num_cpus": 0.5},  # 4 replicas fit 2 cores: autoscaling 1-4 can add them
     "health_check_period_s": 10,
 }
 
