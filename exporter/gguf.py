@@ -33,19 +33,19 @@ import hashlib
 import json
 import os
 import shutil
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.errors import UserError
+from exporter.progress import EVERY_S, heartbeat
 
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 SOURCE_FILE = "gguf-source.json"  # written last in a conversion: what was converted, when, by which versions
 INDEX_FILE = "sha256-index.json"  # {absolute path: {size, mtime_ns, sha256}}
-PROGRESS_EVERY_S = 10.0  # the longest a phase goes without a progress line
+PROGRESS_EVERY_S = EVERY_S  # the longest a phase goes without a progress line
 PROBE_TEXT = "The capital of France is"  # the prompt whose logits must survive the conversion
 PARITY_MAX_ABS = 1e-5  # same float32 weights, same code: the logits agree to rounding (they are equal)
 
@@ -401,19 +401,8 @@ def _phase(what: str, log, every_s: float = PROGRESS_EVERY_S):
     """``gguf: <what> ...``, a line every ``every_s`` while it runs, then ``done in N s``."""
     t0 = time.perf_counter()
     log(f"gguf: {what} ...", flush=True)
-    stop = threading.Event()
-
-    def beat():
-        while not stop.wait(every_s):
-            log(f"gguf: {what}: {time.perf_counter() - t0:.0f} s so far", flush=True)
-
-    beater = threading.Thread(target=beat, daemon=True)
-    beater.start()
-    try:
+    with heartbeat(f"gguf: {what}", log, every_s):
         yield
-    finally:
-        stop.set()
-        beater.join()
     log(f"gguf: {what} done in {time.perf_counter() - t0:.1f} s", flush=True)
 
 

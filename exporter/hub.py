@@ -19,7 +19,7 @@ from exporter.errors import UserError
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub spells repo ids
 
 
-def resolve_model(name_or_path, revision: str | None = None, cache_dir=None) -> Path:
+def resolve_model(name_or_path, revision: str | None = None, cache_dir=None, log=print) -> Path:
     """A local directory as it is; else ``org/name`` from the local HF cache; else one clear error.
 
     A ``.gguf`` file, or a directory holding one and no config.json, becomes the model directory
@@ -29,7 +29,7 @@ def resolve_model(name_or_path, revision: str | None = None, cache_dir=None) -> 
 
     path = Path(name_or_path)
     if (gguf := find_gguf(path)) is not None:
-        return resolve_gguf(gguf)
+        return resolve_gguf(gguf, log=log)
     if path.exists() or not HUB_ID.match(str(name_or_path)):
         return path  # a local path (exporter.loading checks it and says what is wrong with it)
     from huggingface_hub import snapshot_download

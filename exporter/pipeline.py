@@ -39,6 +39,7 @@ from exporter.cli import signals_as_interrupt
 from exporter.errors import UserError
 from exporter.outdir import OutDir, write_manifest
 from exporter.plan import DTYPES, OPSET, build_plan, versions
+from exporter.progress import heartbeat
 from graphs.manifest import MANIFEST, ArtifactError, Manifest
 
 # ----------------------------------------------------------------------------- progress
@@ -62,9 +63,12 @@ class _Step:
     def __enter__(self):
         self.t0 = time.perf_counter()
         self.log(f"{self.label} ...", flush=True)
+        self._beat = heartbeat(self.label, self.log)  # a line every 10 s while the step runs
+        self._beat.__enter__()
         return self
 
     def __exit__(self, exc_type, *exc):
+        self._beat.__exit__(exc_type, *exc)
         dt = time.perf_counter() - self.t0
         self.log(f"{self.label} {'done' if exc_type is None else 'FAILED'} in {dt:.1f} s", flush=True)
         return False
