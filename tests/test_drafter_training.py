@@ -48,7 +48,7 @@ def test_distillation_through_the_engine_is_the_base_greedy_decoding(base_export
     for (cat, p), e in zip(ps, examples):
         assert e.category == cat and e.prompt == p
         assert e.answer == dec.generate(p, max_new_tokens=12, mode="autoregressive").token_ids
-    assert lines and "tokens/s" in lines[-1] and "6/6 answers" in lines[-1]
+    assert lines and "tokens/s" in lines[-1] and "6/6 answers" in lines[-1], lines
 
 
 def test_distillation_past_its_deadline_keeps_what_it_has(base_export):

@@ -156,20 +156,24 @@ def distill(export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: TrainingC
         rid = engine.add_request(list(p), max_new_tokens=cfg.max_new_tokens, mode="autoregressive",
                                  temperature=0.0)
         ids[rid] = Example(list(p), [], cat)
-    prog = Progress("distill", len(ids) * cfg.max_new_tokens, "tokens", log)
+    prog = Progress("distill", len(ids), "answers", log)  # the ETA by answers: many end before max_new_tokens
     done = tokens = 0
     cut = False
+
+    def rate() -> str:
+        return f"{tokens} tokens, {tokens / max(time.perf_counter() - prog.t0, 1e-9):.1f} tokens/s"
+
     while engine.has_pending_requests():
         for ev in engine.step():
             ids[ev.request_id].answer += ev.token_ids
             tokens += len(ev.token_ids)
             done += ev.finish_reason is not None
-        prog(tokens, f"{done}/{len(ids)} answers")
+        prog(done, rate())
         if deadline is not None and time.perf_counter() > deadline and not cut:
             cut = True
             for rid in list(ids):
                 engine.remove_request(rid)
-    prog(tokens, f"{done}/{len(ids)} answers" + (" (time budget reached: the rest cut)" if cut else ""), force=True)
+    prog(done, rate() + (" (time budget reached: the rest cut)" if cut else ""), force=True)
     return [e for e in ids.values() if len(e.answer) >= 2]
 
 
