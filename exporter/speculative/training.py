@@ -202,7 +202,7 @@ class FeatureCache:
     @classmethod
     @torch.no_grad()
     def build(cls, model, examples: list[Example], cfg: TrainingConfig, log: Callable[[str], None] = print,
-              batch_tokens: int = 4096) -> FeatureCache:
+              batch_tokens: int = 1024) -> FeatureCache:
         """One frozen-base forward per example (batched by length, HF's own forward and attention)."""
         kind, layers = feature_layers(model)
         inner = model.model
