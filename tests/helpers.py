@@ -77,8 +77,9 @@ def one_line(rc: int, err: str, *fragments: str) -> str:
 def assert_greedy_within_bound(dec, prompt: list[int], ar: list[int], spec: list[int], bound: float) -> None:
     """Greedy speculative tokens ``spec`` against autoregressive ``ar`` from the same graphs, under the
     contract for graphs whose rows are not bit-identical across call shapes: equal, or diverging first
-    where the autoregressive step's top-2 logit margin is within ``bound`` (the graph's recorded row
-    consistency) -- a near-tie the kernels' rounding may resolve either way. Anything else fails."""
+    where the autoregressive step's top-2 logit margin is within twice ``bound`` (the graph's recorded
+    row consistency bounds each logit, so the difference of two moves by up to twice it) -- a near-tie
+    the kernels' rounding may resolve either way. Anything else fails."""
     import numpy as np
 
     from graphs.kv import KVCache
@@ -95,5 +96,5 @@ def assert_greedy_within_bound(dec, prompt: list[int], ar: list[int], spec: list
     logits = dec.base_forward(kv, np.array([seq]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
     last = np.sort(logits["logits"][0, -1].astype(np.float64))
     margin = float(last[-1] - last[-2])
-    assert margin <= bound, (f"speculative diverges from autoregressive at token {first} where the top-2 margin "
-                             f"{margin:.3g} exceeds the graph's row bound {bound:.3g}")
+    assert margin <= 2 * bound, (f"speculative diverges from autoregressive at token {first} where the top-2 "
+                                 f"margin {margin:.3g} exceeds twice the graph's row bound {bound:.3g}")
