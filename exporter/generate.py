@@ -25,8 +25,8 @@ def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m exporter.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", help="an export directory (holds manifest.json)")
     given = ap.add_mutually_exclusive_group(required=True)
-    given.add_argument("--prompt", help="prompt text, as it is")
-    given.add_argument("--chat", help="a user message, rendered with the export's chat template")
+    given.add_argument("--prompt", help="prompt text, as it is (one of --prompt and --chat is required; default: none)")
+    given.add_argument("--chat", help="a user message, rendered with the export's chat template (default: none)")
     ap.add_argument("--system", help="with --chat: a system message (default: the template's own, if any)")
     ap.add_argument("--max-new-tokens", type=int, help=f"new tokens at most ({FROM_CONFIG} 64)")
     ap.add_argument("--do-sample", action=argparse.BooleanOptionalAction,

@@ -163,7 +163,8 @@ def _masked_mean(x, valid):
 
 
 def _ttt_unroll(module: EagleModule, cfg: EagleConfig, base, hidden_b, aux_b, input_ids, steps: int):
-    """EAGLE-3 training-time test: yields (j, n, logits (B, n, V_draft)) for drafting steps j < ``steps``.
+    """EAGLE-3 training-time test: yields (j, n, out (B, n, H)) for drafting steps j < ``steps``; the
+    caller takes the head's logits (``module.logits``) of the rows it needs (a loss: the answer's).
 
     Step j feeds the drafter its own step j-1 output; a query attends the real context (step 0 keys
     at <= t) and its own chain (the diagonal of steps 1..j) exactly as it will at inference. Row t of
@@ -186,19 +187,21 @@ def _ttt_unroll(module: EagleModule, cfg: EagleConfig, base, hidden_b, aux_b, in
         pos = (tj + j).expand(bsz, n)
         toks = input_ids[:, 1 + j : 1 + j + n]
         if j == 0:
-            out, logits, new = module.step(base, hidden_b[:, :0], toks, pos, mask, None, aux_b[:, :n])
+            out, new = module.hidden_step(base, hidden_b[:, :0], toks, pos, mask, None, aux_b[:, :n])
         else:
-            out, logits, new = module.step(base, prev_out[:, :n], toks, pos, mask, past)
+            out, new = module.hidden_step(base, prev_out[:, :n], toks, pos, mask, past)
         past = new if past is None else [
             (torch.cat([pk, k], 2), torch.cat([pv, v], 2)) for (pk, pv), (k, v) in zip(past, new)
         ]
         sizes.append(n)
         prev_out = out
-        yield j, n, logits
+        yield j, n, out
 
 
-def _hard_ce(module: EagleModule, logits, targets, ok):
-    """Cross-entropy against target token ids (B, n); targets outside the draft vocabulary are skipped."""
+def _hard_ce(module: EagleModule, base, out, targets, ok):
+    """Cross-entropy of the head on ``out`` (B, n, H) against target token ids (B, n), over the rows
+    ``ok`` whose target is in the draft vocabulary: only those rows go through the head (its cost is
+    most of a drafter's on a large vocabulary)."""
     if module.eagle3:
         t2d = torch.full((int(module.d2t.numel() + module.d2t.max().clamp(min=0)) + 1,), -1,
                          dtype=torch.long, device=targets.device)
@@ -207,8 +210,10 @@ def _hard_ce(module: EagleModule, logits, targets, ok):
         inside = targets < t2d.numel()
         targets = torch.where(inside, t2d[targets.clamp(max=t2d.numel() - 1)], -1)
         ok = ok & (targets >= 0)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.clamp(min=0).flatten(), reduction="none")
-    return _masked_mean(ce.view(targets.shape), ok)
+    if not ok.any():
+        return out.sum() * 0.0
+    logits = module.logits(base, out[ok])  # (rows, V_draft)
+    return F.cross_entropy(logits.float(), targets[ok])
 
 
 def eagle_loss(module: EagleModule, cfg: EagleConfig, base, base_out, input_ids, valid):
@@ -235,31 +240,24 @@ def eagle_loss(module: EagleModule, cfg: EagleConfig, base, base_out, input_ids,
             target_p = target_p[..., target_ids]
             target_p = target_p / target_p.sum(-1, keepdim=True).clamp(min=1e-9)
 
-    def ce(logits, offset, n, ok):  # against the base at position offset.. (predicting x_{offset+1}..)
-        if target_p is None:
-            return _hard_ce(module, logits, input_ids[:, offset + 1 : offset + 1 + n], ok)
-        return _masked_mean(_soft_ce(logits, target_p[:, offset : offset + n]), ok)
+    def ce(out, offset, n, ok):  # against the base at position offset.. (predicting x_{offset+1}..)
+        if target_p is None:  # the last anchor's x_{offset+n} is past the end: n - 1 rows
+            return _hard_ce(module, base, out[:, : n - 1], input_ids[:, offset + 1 : offset + n], ok[:, : n - 1])
+        return _masked_mean(_soft_ce(module.logits(base, out), target_p[:, offset : offset + n]), ok)
 
     if not module.eagle3:
         mask = (t[None, :] <= t[:, None]).expand(bsz, 1, m, m)
-        out, logits, _ = module.step(base, hidden_b[:, :m], input_ids[:, 1:], t.expand(bsz, m), mask)
+        out, _ = module.hidden_step(base, hidden_b[:, :m], input_ids[:, 1:], t.expand(bsz, m), mask)
         reg = F.smooth_l1_loss(out.float(), hidden_b[:, 1:].float(), reduction="none").mean(-1)
         reg_ok, ce_ok = _shifted(valid, 1, m), _shifted(valid, 2, m)
-        # the last anchor has no x_{t+2}: its CE target is masked (and padded for the hard target)
-        ce_val = ce(logits[:, : m - 1], 1, m - 1, ce_ok[:, : m - 1]) if target_p is None else ce(logits, 1, m, ce_ok)
-        return cfg.eagle_hidden_loss_weight * _masked_mean(reg, reg_ok) + 0.1 * ce_val
+        return cfg.eagle_hidden_loss_weight * _masked_mean(reg, reg_ok) + 0.1 * ce(out, 1, m, ce_ok)
 
     total = hidden_b.new_zeros((), dtype=torch.float32)
-    for j, n, logits in _ttt_unroll(module, cfg, base, hidden_b, aux_b, input_ids, cfg.eagle_ttt_steps):
+    for j, n, out in _ttt_unroll(module, cfg, base, hidden_b, aux_b, input_ids, cfg.eagle_ttt_steps):
         # target: base distribution at position t+j+1 predicts x_{t+j+2}
-        ok = _shifted(valid, 2 + j, n)
-        if target_p is None:  # the last anchor's x_{t+j+2} is past the end
-            n_ok = n - 1
-            if n_ok < 1:
-                break
-            total = total + cfg.eagle_loss_decay**j * ce(logits[:, :n_ok], 1 + j, n_ok, ok[:, :n_ok])
-        else:
-            total = total + cfg.eagle_loss_decay**j * ce(logits, 1 + j, n, ok)
+        if target_p is None and n < 2:
+            break
+        total = total + cfg.eagle_loss_decay**j * ce(out, 1 + j, n, _shifted(valid, 2 + j, n))
     return total
 
 
@@ -274,9 +272,9 @@ def eagle_chain_predictions(model, features, input_ids, depth: int) -> torch.Ten
     out = torch.full((bsz, length - 1, depth), -1, dtype=torch.long)
     if em.eagle3:
         h = model.config.hidden_size
-        for j, n, logits in _ttt_unroll(em, model.spec_config, model, features[..., :h], features, input_ids,
-                                        depth):
-            out[:, :n, j] = em.draft_to_target(logits.argmax(-1))
+        for j, n, drafted in _ttt_unroll(em, model.spec_config, model, features[..., :h], features, input_ids,
+                                         depth):
+            out[:, :n, j] = em.draft_to_target(em.logits(model, drafted).argmax(-1))
         return out
     # EAGLE-1: step j reads its own previous outputs as hidden states, the true tokens as inputs
     hidden = features[:, : length - 1]
