@@ -114,11 +114,12 @@ def interleaved_training_prompts():
 
 
 def train_drafter_for(model_dir: Path, base_export: Path, out: Path, cfg, log=print, prompts=None,
-                      examples=None) -> dict:
+                      examples=None, distilled=None) -> dict:
     """Distill + train a drafter for the base in ``model_dir``; saves base + drafter into ``out``.
 
     ``prompts``: (category, token ids) pairs to distill (default: the training chat prompts);
-    ``examples``: training examples as they are (no distillation)."""
+    ``examples``: training examples as they are (no distillation); ``distilled``: a file keeping the
+    distilled examples for a rerun (:func:`exporter.speculative.training.run`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -131,7 +132,8 @@ def train_drafter_for(model_dir: Path, base_export: Path, out: Path, cfg, log=pr
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    report = training.run(model, base_export, prompts or [], cfg, tmp / "_trainer", log=log, examples=examples)
+    report = training.run(model, base_export, prompts or [], cfg, tmp / "_trainer", log=log, examples=examples,
+                          distilled=distilled)
     shutil.rmtree(tmp / "_trainer", ignore_errors=True)
     model.save_pretrained(tmp)
     for name in SIDE_FILES:  # tokenizer, chat template, generation config: as the base has them
@@ -179,7 +181,8 @@ def run_main_job(root="spec-demo", *, budget_s: float = 360.0, threads: int | No
         report = json.loads((paths.model / REPORT).read_text())
     else:
         cfg = training or TrainingConfig(mode="eagle3", seconds_budget=budget_s, threads=threads)
-        report = train_drafter_for(model_dir, paths.base_export, paths.model, cfg, inner)
+        report = train_drafter_for(model_dir, paths.base_export, paths.model, cfg, inner,
+                                   distilled=paths.root / "distilled.json")
     _done(3, "drafter", t0, log, times)
 
     t0 = _phase(4, f"export: base + drafter to ONNX ({paths.onnx})", log)

@@ -175,3 +175,16 @@ def runtime_tau(model, where, base_dir) -> float:
     tree = {"topk": 2, "depth": 3, "total_tokens": 6}
     taus = [dec.generate(p, max_new_tokens=32, tree=tree).stats.mean_accepted_length for _, p in prompts(12, seed=99)]
     return sum(taus) / len(taus)
+
+
+def test_distilled_examples_are_kept_and_reused(base_export, tmp_path):
+    """A rerun after an interrupted training starts from the kept distillation, not a new one."""
+    cfg = T.TrainingConfig(mode="medusa", max_new_tokens=6, epochs=1, seconds_budget=None)
+    kept = tmp_path / "distilled.json"
+    first = T.run(tiny_model(seed=0), base_export / "ar", prompts(4), cfg, tmp_path / "w", distilled=kept, **QUIET)
+    assert kept.is_file() and [e.category for e in T.load_examples(kept)] == ["cat0", "cat1", "cat2", "cat0"]
+    lines = []
+    second = T.run(tiny_model(seed=0), base_export / "nowhere", [], cfg, tmp_path / "w", distilled=kept,
+                   log=lines.append)
+    assert any("reusing 4 distilled answers" in ln for ln in lines)
+    assert second["answer_tokens"] == first["answer_tokens"]

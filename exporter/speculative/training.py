@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -409,11 +410,31 @@ def _acceptance(ks: torch.Tensor, depth: int) -> dict:
 # ---------------------------------------------------------------------------- one call
 
 
+def save_examples(path, examples: list[Example]) -> None:
+    """The distilled examples as JSON, written whole or not at all (a temporary file renamed)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps([dataclasses.asdict(e) for e in examples]))
+    tmp.replace(path)
+
+
+def load_examples(path) -> list[Example]:
+    import json
+    from pathlib import Path
+
+    return [Example(**e) for e in json.loads(Path(path).read_text())]
+
+
 def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: TrainingConfig, work_dir,
-        log: Callable[[str], None] = print, examples: list[Example] | None = None) -> dict:
+        log: Callable[[str], None] = print, examples: list[Example] | None = None, distilled=None) -> dict:
     """Distill (unless ``examples`` are given), convert ``model`` in place, cache, train; returns a report.
 
-    ``model``: the base (unconverted, float32); ``export_dir``: its autoregressive export."""
+    ``model``: the base (unconverted, float32); ``export_dir``: its autoregressive export.
+    ``distilled``: a file that keeps the distilled examples: reused when it exists (the whole budget
+    then goes to features and training), written after a distillation."""
     from exporter.speculative import convert
 
     budget = Budget(cfg.seconds_budget)
@@ -421,8 +442,13 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    if examples is None:
+    if examples is None and distilled is not None and os.path.isfile(distilled):
+        examples = load_examples(distilled)
+        log(f"reusing {len(examples)} distilled answers in {distilled} (delete it to distill again)")
+    elif examples is None:
         examples = distill(export_dir, prompts, cfg, budget.deadline(cfg.distill_share), log)
+        if distilled is not None:
+            save_examples(distilled, examples)
     t_distill = time.perf_counter() - t0
     n_tokens = sum(len(e.answer) for e in examples)
     convert(model, [cfg.convert_config()])
