@@ -114,7 +114,7 @@ def test_readme_outputs_are_git_ignored():
 
     blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
     written = re.findall(r"--(?:json|png|out)\s+([^\s\]]+)", "\n".join(blocks))
-    assert len(written) >= 4, "the README's commands changed: update this test"
+    assert len(written) >= 2, "the README's commands changed: update this test"
     names = [*written, "spec-demo-tiny/model/config.json", "spec-demo-tiny/onnx/base.onnx", "build/lib/x.py",
              "specexport.egg-info/PKG-INFO"]
     proc = subprocess.run(["git", "check-ignore", "--no-index", *names], cwd=REPO, capture_output=True, text=True)
