@@ -19,7 +19,7 @@ from exporter.benchmark import systems as S
 from exporter.benchmark.prompts import build_prompts
 from exporter.errors import UserError
 
-PEERS = ("genai", "hf", "optimum")
+PEERS = ("genai", "hf", "optimum", "llamacpp")
 # our variants: the export as it is, or a copy through the optimize stage (fused; quantized)
 PRECISIONS = {"fp32": None, "opt": "none", "int8": "int8", "int4": "int4"}
 GENAI_PRECISIONS = ("fp32", "int4")  # what onnxruntime-genai's builder is asked for
@@ -124,7 +124,8 @@ def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> 
     if not peers:
         return systems
     names = {"genai": [f"genai{'' if p == 'fp32' else '-' + p}" for p in opts.precisions if p in GENAI_PRECISIONS],
-             "hf": ["hf", "hf-pld"] + (["hf-assisted"] if opts.draft_model else []), "optimum": ["optimum"]}
+             "hf": ["hf", "hf-pld"] + (["hf-assisted"] if opts.draft_model else []), "optimum": ["optimum"],
+             "llamacpp": list(S.LLAMACPP_SPEC)}
     if not opts.model_dir:
         for p in peers:
             for n in names[p]:
@@ -154,6 +155,11 @@ def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> 
                 if n == "hf-assisted":
                     s.spec["assistant"] = str(opts.draft_model)
                 s.compare_to = "ours-ar" if n == hf_ref else hf_ref
+            elif p == "llamacpp":  # the GGUF itself (its own quantization), by llama.cpp's llama-server
+                spec, why2 = S.llamacpp_spec(n, Path(opts.model_dir), opts.threads, 4096, opts.prompt_lookup)
+                s.spec.update(spec or {})
+                model, s.precision = spec and spec["gguf"], "gguf"
+                s.compare_to = "ours-ar" if n == "llamacpp" else "llamacpp"
             else:
                 if not opts.optimum_python:
                     s.skip("no --optimum-python given: optimum-onnx pins transformers < 4.58, so it needs its own "

