@@ -24,6 +24,8 @@ concurrency 1, so the server's overhead is ``server tok/s / engine tok/s`` (the 
 Bounded: at most ``--requests`` per load and ``--max-duration`` seconds per load (then it stops
 sending and waits for the requests in flight, at most ``--timeout`` each). It refuses any host but
 127.0.0.1, ::1 and localhost.
+
+``--mixed`` runs the mixed load of :mod:`graphs.serve.soak` instead (its own flags).
 """
 
 from __future__ import annotations
@@ -391,6 +393,11 @@ def run(url: str, speculations: list, concurrency: list[int], rates: list[float]
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--mixed" in argv:  # the mixed load (greedy checked, sampled, cancelled, bad, slow): graphs/serve/soak.py
+        from graphs.serve.soak import main as mixed
+
+        return mixed([a for a in argv if a != "--mixed"])
     ap = argparse.ArgumentParser(prog="python -m graphs.serve.loadgen", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
