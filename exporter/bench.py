@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", help="tree JSON file for ours-spec (default: the manifest's)")
     ap.add_argument("--precisions", default="fp32", help="comma list of fp32,opt,int8,int4 (ours: opt/int8/int4 "
                                                          "through the optimize stage; genai: fp32/int4 builds)")
-    ap.add_argument("--peers", default=",".join(PEERS), help="comma list of genai,hf,optimum ('' for none)")
+    ap.add_argument("--peers", default=",".join(PEERS), help="comma list of genai,hf,optimum,llamacpp ('' for none)")
     ap.add_argument("--draft-model",
                     help="HF draft model directory for hf-assisted (assisted generation; default: not run)")
     ap.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
@@ -130,13 +130,7 @@ def main(argv=None) -> int:
         for text in R.category_lines(report):
             print(text)
         for g in report["greedy"] if isinstance(report["greedy"], list) else []:
-            if g["prompts_equal"] == g["prompts_compared"]:
-                print(f"greedy tokens equal: {g['system']} = {g['reference']} on {g['prompts_compared']} prompts")
-            else:
-                print(f"{'GREEDY MISMATCH' if g['must_equal'] else 'note: greedy tokens differ'}: {g['system']} vs "
-                      f"{g['reference']} on {g['prompts_compared'] - g['prompts_equal']}/{g['prompts_compared']} "
-                      f"prompts (first at prompt {g['first_mismatch']['prompt']}, token "
-                      f"{g['first_mismatch']['token_index']})")
+            print("\n".join(R.greedy_lines(g)))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         if args.png:

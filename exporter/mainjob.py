@@ -183,6 +183,10 @@ def run_main_job(root="spec-demo", *, budget_s: float = 360.0, threads: int | No
         cfg = training or TrainingConfig(mode="eagle3", seconds_budget=budget_s, threads=threads)
         report = train_drafter_for(model_dir, paths.base_export, paths.model, cfg, inner,
                                    distilled=paths.root / "distilled.json")
+        stopped, steps = report["training"]["stopped_at"], report["training"]["steps"]
+        if stopped is not None and stopped < steps // 4:
+            log(f"the drafter trained {stopped} of {steps} steps in {budget_s:.0f} s (a busy machine?): delete "
+                f"{paths.model} and run again with a larger --budget-s; the distilled answers are reused", flush=True)
     _done(3, "drafter", t0, log, times)
 
     t0 = _phase(4, f"export: base + drafter to ONNX ({paths.onnx})", log)

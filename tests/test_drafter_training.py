@@ -188,3 +188,15 @@ def test_distilled_examples_are_kept_and_reused(base_export, tmp_path):
                    log=lines.append)
     assert any("reusing 4 distilled answers" in ln for ln in lines)
     assert second["answer_tokens"] == first["answer_tokens"]
+
+
+def test_features_past_their_deadline_keep_a_random_subset():
+    from exporter.speculative import convert
+
+    model = convert(tiny_model(seed=0), [("medusa", {"medusa_num_heads": 2})])
+    ex = [T.Example(p, [5] * (1 + i % 7), c) for i, (c, p) in enumerate(prompts(80))]
+    lines = []
+    cache = T.FeatureCache.build(model, ex, T.TrainingConfig(), log=lines.append, batch_tokens=64, deadline=0.0)
+    assert 0 < len(cache.examples) < len(ex) and any("time budget reached" in ln for ln in lines)
+    lengths = {len(e.answer) for e in cache.examples}
+    assert len(lengths) > 1  # a random group, not the shortest examples

@@ -311,7 +311,10 @@ def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, logs: Pat
     ok = {e["name"] for e in entries if e["status"] == "ok"}
     anchor = next((a for a in ("genai", "ours-ar") if a in ok), None)
     R.speedups(entries, [a for a in ("genai", "ours-ar", "ours-ar-opt", "genai-int4", "ours-ar-int4", "hf") if a in ok])
-    greedy = R.greedy_check(systems, len(prompts)) if opts.temperature == 0 else []
+    # the prompts' ids: a must_equal pair that differs is judged by its graphs' rows contract, with the
+    # base's top-2 margin at each divergence (report.greedy_check)
+    greedy = (R.greedy_check(systems, len(prompts), prompts=[p.ids for p in prompts], threads=opts.threads or 1)
+              if opts.temperature == 0 else [])
     report = {
         "schema": R.SCHEMA,
         "out_dir": str(out_dir),
@@ -331,7 +334,7 @@ def _bench(out_dir, manifest, prompts, opts: BenchOptions, work: Path, logs: Pat
         "systems": entries,
         "greedy": greedy if opts.temperature == 0 else "not checked: sampling (temperature > 0)",
         "failed": [e["name"] for e in entries if e["status"] == "failed"],
-        "greedy_mismatches": sum(1 for g in greedy if g["must_equal"] and g["prompts_equal"] < g["prompts_compared"]),
+        "greedy_mismatches": R.greedy_failures(greedy),
         "seconds": time.perf_counter() - t_start,
     }
     if sweep is not None:

@@ -36,6 +36,7 @@ import torch
 from exporter.speculative.distill import IGNORE_INDEX
 
 PROGRESS_S = 10.0  # the longest silence of any phase
+FEATURES_SHARE = 0.35  # of the budget left after distillation, the most the feature pass may take
 MODES = {  # the drafters this trains, as convert() takes them
     "medusa": ("medusa", {"medusa_num_heads": 3, "medusa_num_layers": 1}),
     "eagle": ("eagle", {"eagle_num_layers": 1}),
@@ -203,18 +204,23 @@ class FeatureCache:
     @classmethod
     @torch.no_grad()
     def build(cls, model, examples: list[Example], cfg: TrainingConfig, log: Callable[[str], None] = print,
-              batch_tokens: int = 1024) -> FeatureCache:
-        """One frozen-base forward per example (batched by length, HF's own forward and attention)."""
+              batch_tokens: int = 1024, deadline: float | None = None) -> FeatureCache:
+        """One frozen-base forward per example (HF's own forward and attention), in groups of 64 examples
+        in a seeded random order, each group batched by length; past ``deadline`` (or the cache's
+        bound) the examples not yet computed are dropped, so what is kept is a random subset, not the
+        shortest ones."""
         kind, layers = feature_layers(model)
         inner = model.model
-        order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+        perm = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        order = [j for g in range(0, len(perm), 64)
+                 for j in sorted(perm[g : g + 64], key=lambda i: len(examples[i].ids))]
         feats: list[torch.Tensor | None] = [None] * len(examples)
         prog = Progress("features", sum(len(e.ids) for e in examples), "tokens", log)
         done = used = 0
         i = 0
         while i < len(order):
-            chunk = [order[i]]  # sorted by length: the last row of a chunk is its widest
-            while i + len(chunk) < len(order) and \
+            chunk = [order[i]]  # sorted by length in its group: the last row of a chunk is its widest
+            while i + len(chunk) < len(order) and (i + len(chunk)) % 64 and \
                     (len(chunk) + 1) * len(examples[order[i + len(chunk)]].ids) <= batch_tokens:
                 chunk.append(order[i + len(chunk)])
             i += len(chunk)
@@ -238,6 +244,11 @@ class FeatureCache:
                 kept = sum(x is not None for x in feats)
                 log(f"features: the cache reached its bound of {cfg.max_cache_bytes >> 20} MiB; "
                     f"keeping {kept} of {len(examples)} examples")
+                break
+            if deadline is not None and time.perf_counter() > deadline and i < len(order) and i % 64 == 0:
+                kept = sum(x is not None for x in feats)
+                log(f"features: time budget reached; keeping the {kept} of {len(examples)} examples computed "
+                    f"(training keeps its share of the budget)")
                 break
         prog(done, f"{used / 2**20:.0f} MiB cached", force=True)
         keep = [j for j in range(len(examples)) if feats[j] is not None]
@@ -454,7 +465,10 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
     convert(model, [cfg.convert_config()])
     coverage = set_draft_vocab(model, examples) if cfg.mode == "eagle3" else None
     t1 = time.perf_counter()
-    cache = FeatureCache.build(model, examples, cfg, log)
+    # features may take up to FEATURES_SHARE of the budget past distillation; training keeps the rest
+    left = budget.left()
+    cache = FeatureCache.build(model, examples, cfg, log, deadline=None if left is None else
+                               time.perf_counter() + FEATURES_SHARE * max(left, 0.0))
     t_features = time.perf_counter() - t1
     train, held = cache.split(cfg.heldout_fraction, cfg.seed)
     log(f"drafter: {cfg.mode}, {sum(p.numel() for p in model.drafter.parameters()) / 1e6:.1f}M params; "
@@ -462,6 +476,9 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
         + (f"; draft vocabulary covers {coverage:.1%} of answer tokens" if coverage is not None else ""))
     t2 = time.perf_counter()
     trained = train_drafter(model, train, cfg, work_dir, budget.deadline(), log)
+    if trained["stopped_at"] is not None and trained["stopped_at"] < trained["steps"] // 4:
+        log(f"WARNING: the drafter trained {trained['stopped_at']} of {trained['steps']} steps within the budget: "
+            f"it will accept little. Train again with a larger budget (the distilled answers are reused)")
     t_train = time.perf_counter() - t2
     acceptance = heldout_acceptance(model, held, cfg.depth) if held.examples else {}
     if acceptance:
