@@ -153,6 +153,7 @@ def run_main_job(root="spec-demo", *, budget_s: float = 360.0, threads: int | No
     ``budget_s`` seconds)."""
     from exporter import pipeline
     from exporter.hub import resolve_model
+    from exporter.progress import heartbeat
     from exporter.speculative.training import TrainingConfig
 
     paths = MainJobPaths(Path(root))
@@ -206,9 +207,10 @@ def run_main_job(root="spec-demo", *, budget_s: float = 360.0, threads: int | No
     elif Manifest.read(paths.onnx, verify=False).optimization:
         log(f"reusing the optimized export in {paths.onnx}", flush=True)
     else:
-        pipeline.optimize_export(paths.onnx, target="cpu", quantize="none", progress=inner, tune=True,
-                                 tune_prompts=heldout_chat_texts(paths.onnx), tune_threads=threads,
-                                 tune_budget_s=tune_budget_s)
+        with heartbeat("optimize", inner):  # its passes and checks print as they end; this, in between
+            pipeline.optimize_export(paths.onnx, target="cpu", quantize="none", progress=inner, tune=True,
+                                     tune_prompts=heldout_chat_texts(paths.onnx), tune_threads=threads,
+                                     tune_budget_s=tune_budget_s)
     _done(5, "optimize", t0, log, times)
 
     acc = (report.get("heldout_acceptance") or {}).get("all", {})

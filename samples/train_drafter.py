@@ -40,7 +40,7 @@ class _DefaultsUnlessUnset(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 def train_for_base(base_dir, out_dir, mode: str, spec: DemoSpec, data: str = "distill", seed: int = 0,
-                   budget_s: float | None = None, log=print) -> Path:
+                   budget_s: float | None = None, distilled=None, log=print) -> Path:
     """Attach and train a ``mode`` drafter for an existing base (a model directory or a .gguf).
 
     The scalable path (:mod:`exporter.speculative.training`): an autoregressive export of the base
@@ -78,7 +78,8 @@ def train_for_base(base_dir, out_dir, mode: str, spec: DemoSpec, data: str = "di
         else:
             rows = dm.windows(stream, spec.distill_prompts, spec.prompt_len, g).tolist()
             prompts = [("python", r) for r in rows]
-    report = mainjob.train_drafter_for(base_dir, ar, out_dir, cfg, clock, prompts=prompts, examples=examples)
+    report = mainjob.train_drafter_for(base_dir, ar, out_dir, cfg, clock, prompts=prompts, examples=examples,
+                                       distilled=distilled)
     clock(f"saved {out_dir} (held-out acceptance: {report['heldout_acceptance'].get('all')})")
     return out_dir
 
@@ -99,6 +100,9 @@ def main(argv=None) -> Path:
                    help="stop early past this many seconds (gives up determinism); with --base it bounds "
                         "distillation + features + training")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (unset: torch's choice)")
+    p.add_argument("--distilled", type=Path, default=None,
+                   help="with --base: keep the distilled answers in this JSON file, and reuse it if it exists "
+                        "(e.g. the main job's spec-demo/distilled.json; default: not kept)")
     p.add_argument("--tiny", action="store_true", help="seconds-long smoke run (tests)")
     for f in dataclasses.fields(DemoSpec):  # --base-steps, --drafter-steps, --hidden-size, ...
         p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)), default=None,
@@ -114,7 +118,7 @@ def main(argv=None) -> Path:
     spec = dataclasses.replace(spec, **overrides)
     if args.base is not None:
         return train_for_base(args.base, args.out, args.mode, spec, data=args.data, seed=args.seed,
-                              budget_s=args.seconds_budget)
+                              budget_s=args.seconds_budget, distilled=args.distilled)
     return build_demo_model(args.out, mode=args.mode, seconds_budget=args.seconds_budget, seed=args.seed,
                             spec=spec, data=args.data)
 
