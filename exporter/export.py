@@ -22,6 +22,7 @@ from pathlib import Path
 
 from exporter import pipeline
 from exporter.errors import UserError
+from exporter.mainjob import DRAFTER_BUDGET_S
 from exporter.plan import DTYPES, OPSET, parse_tree
 from exporter.trace import EXTERNAL_DATA_BYTES as _TRACE_EXTERNAL_DATA_BYTES
 from graphs.manifest import Manifest
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="with no model_dir: the seconds-long demo (a 0.9M model trained here, nonsense text) "
                          "in spec-demo-tiny/ instead of the real model")
-    ap.add_argument("--budget-s", type=float, default=360.0,
+    ap.add_argument("--budget-s", type=float, default=DRAFTER_BUDGET_S,
                     help="with no model_dir: seconds for the drafter's distillation + training")
     ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3 files) "
                                       "(default: the drafter saved in model_dir, if any)")
