@@ -67,3 +67,24 @@ def test_e2e_acceptance_by_category():
     out = by_category([row("qa", 6, 2.0, [2, 1], 3), row("math", 4, 1.0, [0, 0], 4)])
     assert out["qa"]["tau"] == 2.0 and out["qa"]["acceptance_per_position"] == [2 / 3, 1 / 3]
     assert out["all"]["tau"] == 10 / 7 and out["all"]["acceptance_per_position"] == [2 / 7, 1 / 7]
+
+
+def test_variants_of_an_optimized_export_come_from_a_raw_re_export(tmp_path, tiny_model_dir):
+    """The main job's export is optimized already: int4 / opt variants are optimized from a raw export of
+    --model-dir made by the bench; without --model-dir, one line saying so before any work."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from exporter.benchmark.run import BenchOptions, raw_source
+    from exporter.errors import UserError
+
+    raw = SimpleNamespace(optimization={})
+    done = SimpleNamespace(optimization={"base": {"passes": ["attention"]}})
+    assert raw_source(tmp_path, raw, BenchOptions(precisions=("fp32", "int4")), tmp_path) == tmp_path
+    assert raw_source(tmp_path, done, BenchOptions(precisions=("fp32",)), tmp_path) == tmp_path
+    with pytest.raises(UserError, match=r"optimized already.*pass --model-dir"):
+        raw_source(tmp_path, done, BenchOptions(precisions=("fp32", "int4")), tmp_path)
+    src = raw_source(tmp_path, done, BenchOptions(model_dir=str(tiny_model_dir("medusa")), precisions=("int4",)),
+                     tmp_path / "work", log=lambda *a: None)
+    assert (src / "manifest.json").is_file() and src == tmp_path / "work" / "raw-export"

@@ -99,6 +99,25 @@ def check_writable(path, flag: str, *reads) -> None:
     check_output(path, flag, *reads)
 
 
+def raw_source(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> Path:
+    """What our variants are optimized from: the export itself, or, where it is optimized already (the
+    main job's is), a raw export of ``--model-dir`` made here (the passes apply to the raw trace only)."""
+    if not manifest.optimization or all(p == "fp32" for p in opts.precisions):
+        return out_dir
+    if not opts.model_dir:
+        raise UserError(f"{out_dir} is optimized already, and --precisions {','.join(opts.precisions)} needs the raw "
+                        f"trace to optimize from: pass --model-dir (bench re-exports it) or bench a raw export")
+    from exporter.pipeline import export
+
+    raw = work / "raw-export"
+    if (raw / "manifest.json").is_file():
+        log(f"  reusing the raw export {raw}")
+        return raw
+    log(f"  {out_dir} is optimized: re-exporting {opts.model_dir} raw -> {raw} (the variants' source)")
+    export(opts.model_dir, raw, log=lambda *a, **k: None, overwrite=raw.exists())
+    return raw
+
+
 def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> list[S.System]:
     """The systems of this run, their models prepared (or the reason each is skipped)."""
     systems = []
@@ -106,10 +125,11 @@ def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> 
     if opts.tune and not manifest.drafter:  # never silently ignored
         raise UserError(f"--tune: {out_dir} has no drafter, so there is no tree to re-tune; drop --tune")
     tune = tunes(opts, manifest)
+    source = raw_source(out_dir, manifest, opts, work, log)
     for prec in opts.precisions:
         sfx = "" if prec == "fp32" else f"-{prec}"
         path, why = (out_dir, "") if prec == "fp32" else S.ours_variant(
-            out_dir, PRECISIONS[prec], work, log, tune=tune, threads=opts.threads)
+            source, PRECISIONS[prec], work, log, tune=tune, threads=opts.threads)
         ar = S.System(f"ours-ar{sfx}", "ours", {**ours_base, "out_dir": str(path), "mode": "autoregressive"},
                       precision=prec)
         mine = [ar]
