@@ -255,6 +255,7 @@ def ours_variant(out_dir: Path, quantize: str, work: Path, log, tune: bool = Fal
     """A quantized copy of our export, by the optimize stage (:func:`exporter.pipeline.optimize_export`);
     ``tune``: its default tree re-tuned for the copy's graphs on this machine, as the optimize CLI does."""
     from exporter.pipeline import optimize_export
+    from exporter.progress import heartbeat
 
     # a tuned copy's tree depends on the threads it was measured with and on the tuner's code
     stamp = (threads, _tuner_stamp()) if tune else ()
@@ -269,8 +270,9 @@ def ours_variant(out_dir: Path, quantize: str, work: Path, log, tune: bool = Fal
     tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=work))
     try:
         shutil.copytree(out_dir, tmp, dirs_exist_ok=True)
-        optimize_export(tmp, target="cpu", quantize=quantize, progress=lambda *a, **k: None, tune=tune,
-                        tune_threads=threads)
+        with heartbeat(f"  preparing {what}", log):  # minutes of optimize + tune: a line every 10 s
+            optimize_export(tmp, target="cpu", quantize=quantize, progress=lambda *a, **k: None, tune=tune,
+                            tune_threads=threads)
     except Exception as e:
         _rmtree(tmp)
         return None, f"optimize_export(quantize={quantize!r}) failed: {type(e).__name__}: {e}"
