@@ -132,12 +132,17 @@ def test_bad_training_config_is_one_clear_error():
 
 @pytest.mark.parametrize("mode", ["medusa", "eagle", "eagle3"])
 def test_budget_stops_training(base_export, mode, tmp_path):
-    """A run whose budget is spent stops after the step in progress, for every drafter kind."""
-    model = tiny_model(seed=0)
-    cfg = T.TrainingConfig(mode=mode, epochs=50, batch_size=2, seconds_budget=1e-6, draft_vocab_size=64)
+    """A run whose budget is spent fits its schedule to the time left (one step) and stops there, for every
+    drafter kind; without a budget every epoch runs."""
     ex = [T.Example(p, [5, 6, 7, 8], c) for c, p in prompts(6)]
-    report = T.run(model, base_export / "ar", [], cfg, tmp_path, examples=ex, **QUIET)
-    assert report["training"]["stopped_at"] == 1 < report["training"]["steps"]
+    lines = []
+    cfg = T.TrainingConfig(mode=mode, epochs=50, batch_size=2, seconds_budget=1e-6, draft_vocab_size=64)
+    report = T.run(tiny_model(seed=0), base_export / "ar", [], cfg, tmp_path, examples=ex, log=lines.append)
+    assert report["training"]["steps"] == 1 and report["training"]["stopped_at"] in (None, 1)
+    assert any("fit in the budget" in ln for ln in lines)
+    cfg = T.TrainingConfig(mode=mode, epochs=2, batch_size=2, seconds_budget=None, draft_vocab_size=64)
+    report = T.run(tiny_model(seed=0), base_export / "ar", [], cfg, tmp_path, examples=ex, **QUIET)
+    assert report["training"]["steps"] == 3 and report["training"]["stopped_at"] is None  # 2 epochs x 3 / 2
 
 
 def test_acceptance_floor(base_export, tmp_path):

@@ -58,8 +58,8 @@ class TrainingConfig:
     """The whole run: distillation + features + training (None: no bound, every step runs)."""
     distill_share: float = 0.45
     """Of the budget, the most distillation may take; the rest goes to features and training."""
-    epochs: float = 4.0
-    """Passes over the cached examples (the budget may stop training earlier)."""
+    epochs: float = 8.0
+    """Passes over the cached examples at most; under a budget, the steps that fit in the time left."""
     batch_size: int = 8
     learning_rate: float = 2e-3
     draft_vocab_size: int | None = 8192
@@ -331,6 +331,19 @@ def set_draft_vocab(model, examples: list[Example]) -> int:
 # ---------------------------------------------------------------------------- training
 
 
+def time_one_step(model, train: FeatureCache, cfg: TrainingConfig) -> float:
+    """Seconds of one training step (forward + backward on a random batch), measured."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    rows = torch.randperm(len(train.examples), generator=g)[: cfg.batch_size].tolist()
+    batch = FeatureCollator()([CachedFeatures(train)[i] for i in rows])
+    model.train()
+    t0 = time.perf_counter()
+    model(**batch).loss.backward()
+    dt = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    return max(dt, 1e-3)
+
+
 def train_drafter(model, train: FeatureCache, cfg: TrainingConfig, work_dir, deadline: float | None = None,
                   log: Callable[[str], None] = print) -> dict:
     """Train the converted ``model``'s drafter on ``train`` with a HF ``Trainer`` (the base stays frozen)."""
@@ -338,6 +351,13 @@ def train_drafter(model, train: FeatureCache, cfg: TrainingConfig, work_dir, dea
     from transformers.trainer_callback import PrinterCallback
 
     steps = max(1, math.ceil(cfg.epochs * len(train.examples) / cfg.batch_size))
+    if deadline is not None:  # the schedule fits the time left, so its learning rate decays to the end
+        per_step = time_one_step(model, train, cfg)
+        fit = int(0.9 * (deadline - time.perf_counter()) / per_step)
+        if fit < steps:
+            log(f"train: {steps} steps ({cfg.epochs:g} epochs) would take {steps * per_step:.0f} s; "
+                f"{max(fit, 1)} fit in the budget ({per_step:.2f} s a step)")
+            steps = max(fit, 1)
     prog = Progress("train", steps, "steps", log)
     state_out = {"stopped_at": None, "loss": None}
 
