@@ -33,33 +33,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
-import sysconfig
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
+from graphs.serve.clients import LOOPBACK, check_loopback, code_prompts  # noqa: F401 (loadgen's API)
 
 # ---------------------------------------------------------------------- prompts
-
-
-def code_prompts(n: int, seed: int = 0, max_chars: int = 400) -> list[str]:
-    """Slices of 2-12 lines of the standard library's source (what the demo and 19M models learned)."""
-    files = sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py") if p.stat().st_size > 20000)[:40]
-    rng = random.Random(seed)
-    out = []
-    while len(out) < n:
-        lines = files[rng.randrange(len(files))].read_text(errors="replace").splitlines()
-        i = rng.randrange(max(1, len(lines) - 12))
-        text = "\n".join(lines[i : i + rng.randint(2, 12)])
-        if text.strip():
-            out.append(text[:max_chars] + "\n")
-    return out
 
 
 def file_prompts(path: str, n: int) -> list[str]:
@@ -317,13 +299,6 @@ def parse_slo(items) -> dict:
             raise SystemExit(f"error: --goodput takes ttft:MS tpot:MS e2el:MS, got {item!r}")
         slo[key] = float(value)
     return slo
-
-
-def check_loopback(url: str) -> str:
-    p = urlparse(url)
-    if p.scheme not in ("http", "https") or p.hostname not in LOOPBACK:
-        raise SystemExit(f"error: the load generator only targets loopback (127.0.0.1, ::1, localhost); got {url}")
-    return url.rstrip("/")
 
 
 async def _model(url: str) -> str:

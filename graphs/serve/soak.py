@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from graphs.serve.loadgen import check_loopback, code_prompts
+from graphs.serve.clients import check_loopback, code_prompts
 
 CHAT_QUESTIONS = [
     "What does this Python code do?", "Write a function that reverses a list.", "hello",
