@@ -740,9 +740,11 @@ def draw(rep: dict, path: str) -> None:
     ax = axes[2]
     rps, tps, tm = [], [], []
     every = max(1, len(s) // 60)  # ~60 points: a long run's 2 s samples are too noisy to read
-    for a, b in itertools.pairwise(s[::every] + ([s[-1]] if (len(s) - 1) % every else [])):
+    pts = s[::every]
+    width = (pts[-1]["t"] - pts[0]["t"]) / max(1, len(pts) - 1)
+    for a, b in itertools.pairwise(pts):
         dt = b["t"] - a["t"]
-        if dt > 0:
+        if dt > width / 2:  # (not the last few seconds' drain)
             tm.append(b["t"])
             rps.append((b["done"] - a["done"]) / dt)
             tps.append((b["tokens"] - a["tokens"]) / dt)
