@@ -1,11 +1,14 @@
 """Ray Serve scale-out (graphs.serve.ray_app): two replicas on loopback with fractional CPUs, each with
 its own engine, serving the OpenAI routes through Ray's proxy.
 
-Slow (Ray starts its GCS, raylet, proxy and two replica actors: 30-45 s on 2 cores) and opt-in:
-``SPECEXPORT_RAY_TESTS=1 python -m pytest -m slow tests/test_serve_ray.py``. Skipped without ray.
-Opt-in because Ray's own processes listen beyond loopback: the Serve HTTP proxy binds 127.0.0.1 as
-configured, but Ray core's gRPC servers (GCS, raylet, workers) listen on every interface and its
-dashboard agent on the node's address, and Ray (2.60) has no setting to keep them on loopback.
+Slow (Ray starts its GCS, raylet, proxy and two replica actors; 30-73 s on a busy 2-core machine with
+Ray 2.60.0, the tiny export included) and opt-in, in a network namespace that has only loopback:
+``unshare -rn sh -c 'ip link set lo up && SPECEXPORT_RAY_TESTS=1 python -m pytest -m slow
+tests/test_serve_ray.py'``. Skipped without ray. Opt-in because outside such a namespace Ray's own
+processes listen beyond loopback: the Serve HTTP proxy binds 127.0.0.1 as configured, but Ray core's
+gRPC servers (GCS, raylet, workers) listen on every interface and its dashboard agent on the node's
+address, and Ray (2.60) has no setting to keep them on loopback. ``ray.init()`` here starts its own
+cluster, with token auth on (it writes ``~/.ray/auth_token`` if there is none).
 """
 
 from __future__ import annotations
