@@ -205,3 +205,17 @@ def test_features_past_their_deadline_keep_a_random_subset():
     assert 0 < len(cache.examples) < len(ex) and any("time budget reached" in ln for ln in lines)
     lengths = {len(e.answer) for e in cache.examples}
     assert len(lengths) > 1  # a random group, not the shortest examples
+
+
+def test_medusa_loss_on_target_rows_equals_the_full_loss():
+    """The heads run only where a target is set; the loss is medusa_loss of every row's logits."""
+    from exporter.speculative import convert
+    from exporter.speculative.medusa import medusa_logits, medusa_loss, medusa_rows_loss
+
+    model = convert(tiny_model(seed=0), [("medusa", {"medusa_num_heads": 3})])
+    hidden = torch.randn(2, 12, model.config.hidden_size)
+    labels = torch.randint(3, 256, (2, 12))
+    labels[:, :5] = -100  # the prompt
+    labels[1, 9:] = -100  # padding
+    full = medusa_loss(medusa_logits(model.medusa_heads, hidden), labels, 0.8)
+    torch.testing.assert_close(medusa_rows_loss(model.medusa_heads, hidden, labels, 0.8), full)

@@ -19,7 +19,7 @@ from exporter.arch import check_causal_lm
 from exporter.modeling import base_forward, causal_mask, eager_attention
 from exporter.speculative.config import EagleConfig, MedusaConfig, parse_mode_config
 from exporter.speculative.eagle import EagleModule, eagle_loss
-from exporter.speculative.medusa import build_medusa_heads, medusa_logits, medusa_loss
+from exporter.speculative.medusa import build_medusa_heads, medusa_rows_loss
 
 CONFIG_KEY = "speculative_decoding"
 # state_dict prefixes of the drafter, by mode
@@ -68,7 +68,7 @@ class SpeculativeModel:
             valid = valid & attention_mask.bool()
         if self.spec_mode == "medusa":
             masked = labels.masked_fill(~valid, -100)
-            loss = medusa_loss(medusa_logits(self.medusa_heads, hidden), masked, self.spec_config.medusa_loss_decay)
+            loss = medusa_rows_loss(self.medusa_heads, hidden, masked, self.spec_config.medusa_loss_decay)
         else:
             loss = eagle_loss(self.eagle_module, self.spec_config, self, (logits, hidden, aux), input_ids, valid)
         return CausalLMOutputWithPast(loss=loss, logits=logits)

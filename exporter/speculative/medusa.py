@@ -72,3 +72,22 @@ def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, decay: float) -> tor
         if (target != -100).any():
             total = total + decay**k * F.cross_entropy(pred.flatten(0, 1), target.flatten(), ignore_index=-100)
     return total
+
+
+def medusa_rows_loss(heads: nn.ModuleList, hidden: torch.Tensor, labels: torch.Tensor, decay: float) -> torch.Tensor:
+    """:func:`medusa_loss` of ``medusa_logits(heads, hidden)``, with each head run only on the rows whose
+    target (k + 2 ahead) is set: a head's vocabulary projection is most of its cost, and on chat data
+    most rows are prompt (measured on SmolLM2: 22 s a step at batch 16 with every row)."""
+    total = hidden.new_zeros((), dtype=torch.float32)
+    seq = labels.shape[1]
+    for k, head in enumerate(heads):
+        shift = k + 2
+        if seq <= shift:
+            break
+        target = labels[:, shift:]  # (B, S-shift)
+        ok = target != -100
+        if ok.any():
+            logits = head(hidden[:, : seq - shift][ok])  # (rows, V)
+            total = total + decay**k * F.cross_entropy(logits.float(), target[ok])
+    return total
+
