@@ -64,24 +64,24 @@ def test_rerun_reuses_every_finished_phase(job):
     assert "distill:" not in text and "train:" not in text
 
 
-def test_generate_chat_answers_through_the_template(job, capsys):
-    from exporter.generate import main
+def test_generate_chat_answers_through_the_template(job):
+    """In a child process: the CLI sets ONNX Runtime's process-wide thread pool, for good."""
+    from conftest import run_module
 
     d, _, _ = job
-    rc = main([str(d / "spec-demo" / "onnx"), "--chat", "hi", "--system", "be brief", "--max-new-tokens", "4",
-               "--provider", "cpu"])
-    out, err = capsys.readouterr()
-    assert rc == 0, err
-    assert "<s>user" not in out  # the answer alone, not the rendered template
-    assert "[4 tokens" in err or "tokens (eos)" in err
+    proc = run_module("exporter.generate", d / "spec-demo" / "onnx", "--chat", "hi", "--system", "be brief",
+                      "--max-new-tokens", "4", "--provider", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "<s>user" not in proc.stdout  # the answer alone, not the rendered template
+    assert "[4 tokens" in proc.stderr or "tokens (eos)" in proc.stderr
 
 
-def test_generate_system_without_chat_is_one_line(job, capsys):
-    from exporter.generate import main
+def test_generate_system_without_chat_is_one_line(job):
+    from conftest import run_module
 
     d, _, _ = job
-    rc = main([str(d / "spec-demo" / "onnx"), "--prompt", "x", "--system", "s"])
-    assert rc == 2 and "--system needs --chat" in capsys.readouterr().err
+    proc = run_module("exporter.generate", d / "spec-demo" / "onnx", "--prompt", "x", "--system", "s")
+    assert proc.returncode == 2 and "--system needs --chat" in proc.stderr
 
 
 def test_missing_package_is_one_clear_line(monkeypatch):
