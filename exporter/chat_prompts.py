@@ -175,3 +175,15 @@ def heldout(per_category: int = 2) -> list[ChatPrompt]:
         out += [ChatPrompt(cat, templates[i % len(templates)].format(held[i % len(held)]))
                 for i in range(per_category)]
     return out
+
+
+def rendered_heldout(out_dir, per_category: int = 1) -> list[tuple[str, str]] | None:
+    """(category, text) of :func:`heldout` prompts rendered with the export's own chat template, ready
+    to generate from (tune's calibration set, compare --e2e's default); None without a template."""
+    from graphs.chat import ChatTemplate
+
+    template = ChatTemplate.from_export(out_dir)
+    if template is None:
+        return None
+    return [(p.category, template.render(p.messages(), add_generation_prompt=True)) for p in heldout(per_category)]
+

@@ -96,7 +96,7 @@ def compare_tokens(model, decoder, prompts: list, max_new_tokens: int = 32, quan
 
 def default_prompts(decoder, n: int = 4, seed: int = 0) -> list:
     """Held-out chat prompts where the export has a chat template (one per category: see
-    :func:`chat_defaults`), else ``n`` Python snippets, else random ids."""
+    ``exporter.chat_prompts.rendered_heldout``), else ``n`` Python snippets, else random ids."""
     if decoder.tokenizer is not None:
         from exporter.prompts import DEFAULT_PROMPTS
 
@@ -105,18 +105,6 @@ def default_prompts(decoder, n: int = 4, seed: int = 0) -> list:
     vocab = decoder.manifest.source["vocab_size"]
     banned = decoder.eos | {decoder.pad}
     return [[int(t) for t in rng.integers(0, vocab, size=8) if int(t) not in banned] or [3] for _ in range(n)]
-
-
-def chat_defaults(out_dir) -> tuple[list[str], list[str]] | None:
-    """(prompts rendered with the export's chat template, their categories), or None without a template."""
-    from exporter.chat_prompts import heldout
-    from graphs.chat import ChatTemplate
-
-    template = ChatTemplate.from_export(out_dir)
-    if template is None:
-        return None
-    chats = heldout(1)
-    return [template.render(c.messages()) for c in chats], [c.category for c in chats]
 
 
 def by_category(rows: list[TokenRow]) -> dict:

@@ -91,16 +91,13 @@ def chat_prompt_ids(model_dir: Path, prompts) -> list[tuple[str, list[int]]]:
     return out
 
 
-def heldout_chat_texts(out_dir, per_category: int = 1) -> list[str]:
-    """Held-out chat prompts rendered with the export's own template (the tuner's calibration set)."""
+def tune_prompts(out_dir) -> list[str]:
+    """The tuner's calibration set: held-out chat prompts through the export's template (plain text
+    without one)."""
     from exporter import chat_prompts
-    from graphs.chat import ChatTemplate
 
-    template = ChatTemplate.from_export(out_dir)
-    prompts = chat_prompts.heldout(per_category)
-    if template is None:
-        return [p.text for p in prompts]
-    return [template.render(p.messages(), add_generation_prompt=True) for p in prompts]
+    chats = chat_prompts.rendered_heldout(out_dir)
+    return [text for _, text in chats] if chats else [p.text for p in chat_prompts.heldout(1)]
 
 
 def interleaved_training_prompts():
@@ -214,7 +211,7 @@ def run_main_job(root="spec-demo", *, budget_s: float = DRAFTER_BUDGET_S, thread
     else:
         with heartbeat("optimize", inner):  # its passes and checks print as they end; this, in between
             pipeline.optimize_export(paths.onnx, target="cpu", quantize="none", progress=inner, tune=True,
-                                     tune_prompts=heldout_chat_texts(paths.onnx), tune_threads=threads,
+                                     tune_prompts=tune_prompts(paths.onnx), tune_threads=threads,
                                      tune_budget_s=tune_budget_s)
     _done(5, "optimize", t0, log, times)
 

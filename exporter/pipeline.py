@@ -529,8 +529,11 @@ def compare_end_to_end(model_dir, out_dir, *, drafter=None, provider: str = "cpu
     decoder = graphs.load(out_dir, provider=provider)
     categories = None
     if not prompts:
-        chat = e2e.chat_defaults(out_dir) if decoder.tokenizer is not None else None
-        prompts, categories = chat if chat else (e2e.default_prompts(decoder), None)
+        from exporter.chat_prompts import rendered_heldout
+
+        chat = rendered_heldout(out_dir) if decoder.tokenizer is not None else None
+        prompts, categories = ([t for _, t in chat], [c for c, _ in chat]) if chat else (
+            e2e.default_prompts(decoder), None)
     quant = graph_quantization(Path(out_dir), decoder.manifest)
     return e2e.compare_tokens(model, decoder, prompts, max_new_tokens=max_new_tokens,
                               quantized=quant.get("base", "none") != "none", categories=categories)

@@ -3,6 +3,7 @@ loopback-only check and the built-in prompts."""
 
 from __future__ import annotations
 
+import json
 import random
 import sysconfig
 from pathlib import Path
@@ -30,3 +31,14 @@ def check_loopback(url: str) -> str:
     if p.scheme not in ("http", "https") or p.hostname not in LOOPBACK:
         raise SystemExit(f"error: the load generator only targets loopback (127.0.0.1, ::1, localhost); got {url}")
     return url.rstrip("/")
+
+
+def write_report(report: dict, json_path: str | None, png_path: str | None, draw, indent: int = 2) -> None:
+    """The run's JSON and PNG where asked (their directories made)."""
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=indent) + "\n")
+    if png_path:
+        Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+        draw(report, png_path)
+

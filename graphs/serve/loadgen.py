@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphs.serve.clients import LOOPBACK, check_loopback, code_prompts  # noqa: F401 (loadgen's API)
+from graphs.serve.clients import LOOPBACK, check_loopback, code_prompts, write_report  # noqa: F401 (loadgen's API)
 
 # ---------------------------------------------------------------------- prompts
 
@@ -411,12 +411,7 @@ def main(argv=None) -> int:
                  a.threads, seed=a.seed, prompt_chars=a.prompt_chars, overhead_repeats=a.overhead_repeats,
                  shared_pool=a.baseline_pool == "shared")
     print(_table(result["runs"]))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
-    if a.png:
-        Path(a.png).parent.mkdir(parents=True, exist_ok=True)
-        draw(result, a.png)
+    write_report(result, a.json, a.png, draw)
     return 0
 
 

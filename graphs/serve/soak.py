@@ -46,10 +46,9 @@ import socket
 import struct
 import sys
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
-from graphs.serve.clients import check_loopback, code_prompts
+from graphs.serve.clients import check_loopback, code_prompts, write_report
 
 CHAT_QUESTIONS = [
     "What does this Python code do?", "Write a function that reverses a list.", "hello",
@@ -789,12 +788,7 @@ def main(argv=None) -> int:
                 a.max_tokens, a.sample_s, a.rss_tolerance, a.fd_tolerance, a.timeout, a.max_requests)
     rep = asyncio.run(soak.run())
     print(summary(rep))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(rep, indent=1) + "\n")
-    if a.png:
-        Path(a.png).parent.mkdir(parents=True, exist_ok=True)
-        draw(rep, a.png)
+    write_report(rep, a.json, a.png, draw, indent=1)
     return 0 if rep["ok"] else 1
 
 
