@@ -178,6 +178,19 @@ def check_manifest(d) -> None:
         if one["file"] not in files:
             _fail("optimization.base.one_sequence.file", f"{one['file']!r} is not listed in files (its sha256 is "
                                                           f"unknown)")
+    forms = base_opt.get("attention_forms") if isinstance(base_opt, dict) else None
+    if forms is not None:  # --target cuda: the attention forms built, and the one the device measured faster
+        where = "optimization.base.attention_forms"
+        cands = forms.get("candidates") if isinstance(forms, dict) else None
+        if not isinstance(cands, dict) or not cands or forms.get("chosen") not in cands:
+            _fail(where, "must be {\"candidates\": {form: {\"file\": ...}}, \"chosen\": one of the candidates}")
+        for form, cand in cands.items():
+            if not isinstance(cand, dict) or not isinstance(cand.get("file"), str):
+                _fail(f"{where}.candidates.{form}", "must be {\"file\": a graph file of the export, ...}")
+            check_path(cand["file"], f"{where}.candidates.{form}.file")
+            if cand["file"] not in files:
+                _fail(f"{where}.candidates.{form}.file", f"{cand['file']!r} is not listed in files (its sha256 is "
+                                                          f"unknown)")
     if not isinstance(d.get("opset", 17), int):
         _fail("opset", "must be an integer")
 
