@@ -51,6 +51,19 @@ Draft graph, EAGLE (the drafter's own K/V cache; the same tree-mask convention a
     -> hidden_states_out float [B, S, hidden], logits float [B, S, draft_vocab],
        topk_ids int64 [B, S, K] (already mapped to the target vocabulary),
        topk_logprobs float32 [B, S, K], present.{i}.key / .value float [B, kv_heads, S, head_dim]
+
+Draft graph, DFlash (one call: the new context rows into the drafter's cache, then one block)::
+
+    aux_hidden_states float [B, A, n_aux*hidden]  the base's target layers of A new context rows
+    context_position_ids int64 [B, A]             their positions
+    input_ids int64 [B, S]                        the block: [anchor, mask x (S-1)]
+    position_ids int64 [B, S]                     anchor position + 0..S-1
+    attention_mask bool [B, 1, S, P+A+S]          cached context | new context | block columns
+    past_key_values.{i}.key / .value [B, kv_heads, P, head_dim]  the context rows' K/V (drafter layer i)
+    topk int64 [1]
+    -> logits float [B, S-1, vocab]               slots 1..S-1: row k guesses the token at anchor + k + 1
+       topk_ids int64 [B, S-1, K], topk_logprobs float32 [B, S-1, K]
+       present.{i}.key / .value [B, kv_heads, A, head_dim]  K/V of the A new context rows only
 """
 
 from __future__ import annotations
@@ -67,6 +80,7 @@ TOTAL = "total_sequence"
 TOPK = "topk"
 AUX_SEQ = "aux_sequence"
 DRAFT_SEQ = "draft_sequence"
+BLOCK_DRAFTS = "block_drafts"  # DFlash: the S-1 drafted slots of a block
 
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
@@ -79,6 +93,7 @@ TOPK_IN = "topk"
 TOPK_IDS = "topk_ids"
 TOPK_LOGPROBS = "topk_logprobs"
 KV_WRITE = "kv_write_index"
+CONTEXT_POSITION_IDS = "context_position_ids"
 
 
 def past_key(i: int) -> str:
@@ -294,6 +309,30 @@ def eagle_graph_spec(
         *_kv_specs(False, draft_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, SEQ),
     ]
     return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(outputs))
+
+
+def dflash_graph_spec(dims: ModelDims, draft_layers: int, n_aux: int, file: str = "draft.onnx") -> GraphSpec:
+    """DFlash drafter: A new context rows (the base's ``n_aux`` target layers) join the drafter's K/V
+    cache and one block of S slots is drafted, in one call (see the module docstring).
+
+    ``dims`` are the drafter's attention dims (kv heads and head dim of its layers) with the base's
+    hidden and vocabulary sizes. The mask's key axis (``total_sequence``) is P + A + S here."""
+    inputs = (
+        TensorSpec(AUX_HIDDEN, dims.dtype, (BATCH, AUX_SEQ, n_aux * dims.hidden_size)),
+        TensorSpec(CONTEXT_POSITION_IDS, "int64", (BATCH, AUX_SEQ)),
+        TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)),
+        TensorSpec(POSITION_IDS, "int64", (BATCH, SEQ)),
+        TensorSpec(ATTENTION_MASK, "bool", (BATCH, 1, SEQ, TOTAL)),
+        *_kv_specs(True, draft_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, PAST),
+        TensorSpec(TOPK_IN, "int64", (1,)),
+    )
+    outputs = (
+        TensorSpec(LOGITS, dims.dtype, (BATCH, BLOCK_DRAFTS, dims.vocab_size)),
+        TensorSpec(TOPK_IDS, "int64", (BATCH, BLOCK_DRAFTS, TOPK)),
+        TensorSpec(TOPK_LOGPROBS, "float32", (BATCH, BLOCK_DRAFTS, TOPK)),
+        *_kv_specs(False, draft_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, AUX_SEQ),
+    )
+    return GraphSpec(file=file, inputs=inputs, outputs=outputs)
 
 
 ACCEPT_INDEX = "accept_index"

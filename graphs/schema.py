@@ -16,7 +16,7 @@ from graphs import contract as C
 from graphs.errors import ArtifactError
 
 DTYPES = {"int64", "int32", "bool", "float32", "float16", "bfloat16"}
-DRAFTER_KINDS = ("medusa", "eagle")
+DRAFTER_KINDS = ("medusa", "eagle", "dflash")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # the largest sizes a manifest may declare: far above any real model, far below an allocation bomb
 LIMITS = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096, "hidden_size": 1 << 17,
@@ -108,6 +108,28 @@ def _out_dim(g: dict, name: str, axis: int):
     return None if t is None or len(t["dims"]) <= abs(axis) else t["dims"][axis]
 
 
+def _dflash(drafter: dict, graphs: dict, n_layers: int, vocab: int) -> None:
+    """A DFlash drafter: its cache dims, block, mask token and target layers, and a base that emits them."""
+    _kv_dims(graphs["draft"], "draft", _int(drafter, "num_layers", "drafter"),
+             _int(drafter, "num_kv_heads", "drafter"), _int(drafter, "head_dim", "drafter"))
+    _int(drafter, "block_size", "drafter", lo=2)
+    _int(drafter, "mask_token_id", "drafter", lo=0)
+    if drafter["mask_token_id"] >= vocab:
+        _fail("drafter.mask_token_id", f"= {drafter['mask_token_id']} is outside the vocabulary ({vocab})")
+    ids = drafter.get("target_layer_ids")
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers for i in ids):
+        _fail("drafter.target_layer_ids", f"must be a non-empty list of base layers in [0, {n_layers}), got {ids!r}")
+    width = _out_dim(graphs["base"], C.AUX_HIDDEN, -1)
+    if width is None or width != _in_dim(graphs["draft"], C.AUX_HIDDEN, -1):
+        _fail("graphs.base", f"does not emit the {len(ids)} target layers the DFlash drafter reads")
+
+
+def _in_dim(g: dict, name: str, axis: int):
+    t = next((t for t in g["inputs"] if t["name"] == name), None)
+    return None if t is None or len(t["dims"]) <= abs(axis) else t["dims"][axis]
+
+
 def check_manifest(d) -> None:
     """Raise ArtifactError unless ``d`` (parsed manifest.json) is a well-formed, self-consistent manifest."""
     if not isinstance(d, dict):
@@ -144,6 +166,8 @@ def check_manifest(d) -> None:
             heads = _int(drafter, "num_heads", "drafter")
             if _out_dim(graphs["draft"], C.LOGITS, 2) != heads:
                 _fail("graphs.draft", f"logits do not have {heads} Medusa heads")
+        elif kind == "dflash":
+            _dflash(drafter, graphs, n_layers, vocab)
         else:
             _kv_dims(graphs["draft"], "draft", _int(drafter, "num_layers", "drafter"),
                      _int(drafter, "num_kv_heads", "drafter"), _int(drafter, "head_dim", "drafter"))
@@ -155,6 +179,11 @@ def check_manifest(d) -> None:
         _fail("tree.medusa_paths", "must be a list of paths")
     if "eagle" in tree and not isinstance(tree["eagle"], dict):
         _fail("tree.eagle", "must be {topk, depth, total_tokens}")
+    if "dflash" in tree:
+        if not isinstance(tree["dflash"], dict):
+            _fail("tree.dflash", "must be {topk, total_tokens}")
+        _int(tree["dflash"], "topk", "tree.dflash")
+        _int(tree["dflash"], "total_tokens", "tree.dflash")
     gen = _dict(d, "generation")  # the exporter always writes it (eos ids): missing means tampered
     eos = gen.get("eos_token_ids") or []
     if not isinstance(eos, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
