@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", help="keep peers' model builds here and reuse them (default: a temporary dir)")
     ap.add_argument("--logs", help="keep every worker's and build's log here (default: a temporary directory, "
                                    "kept and named when a system fails)")
+    ap.add_argument("--also", action="append", default=[], metavar="EXPORT",
+                    help="a raw export of the same base with another drafter, run as ours-spec-<kind> beside the "
+                         "main export's systems at every precision (repeatable; default: none)")
     ap.add_argument("--json", help="write the report as JSON here (default: not written)")
     ap.add_argument("--png", help="draw the report here (default: not drawn)")
     ap.add_argument("--variants", help="instead of the systems run: compare optimized variants of a raw export, "
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
 
             unused = [flag for flag, v in (("--model-dir", args.model_dir), ("--draft-model", args.draft_model),
                                            ("--optimum-python", args.optimum_python), ("--work", args.work),
-                                           ("--precisions", args.precisions != "fp32")) if v]
+                                           ("--precisions", args.precisions != "fp32"), ("--also", args.also)) if v]
             if unused:  # never silently ignored
                 raise UserError(f"{unused[0]} does not apply to --variants (it runs our variants only, no peers); "
                                 f"drop it, or run without --variants")
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
             precisions=_csv(args.precisions), peers=_csv(args.peers), draft_model=args.draft_model,
             prompt_lookup=args.prompt_lookup, optimum_python=args.optimum_python,
             load_options=_load_options(args.load_option), sweep=args.sweep, work=args.work, logs=args.logs,
-            tune=args.tune)
+            tune=args.tune, also=tuple(args.also))
         report = bench(args.out_dir, opts, log=lambda *a: print(*a, file=sys.stderr))
         for e in report["systems"]:
             print(R.line(e, report["anchor"]))

@@ -240,6 +240,23 @@ def test_hf_peers_run_and_agree_with_ours(exported, tiny_model_dir, tmp_path):
     assert rep["greedy_mismatches"] == 0
 
 
+def test_also_runs_another_drafter_of_the_same_base_beside_ours(exported, tmp_path):
+    """--also: an EAGLE-3 export of the same tiny base runs as ours-spec-eagle beside the Medusa export's
+    systems, its greedy tokens held to ours-ar's."""
+    rep = bench(exported("medusa"), BenchOptions(**TINY, peers=(), also=(str(exported("eagle3")),),
+                                                 work=str(tmp_path)), log=lambda *a: None)
+    by = {e["name"]: e for e in rep["systems"]}
+    assert set(by) == {"ours-ar", "ours-spec", "ours-spec-eagle"}
+    assert by["ours-spec-eagle"]["status"] == "ok", by["ours-spec-eagle"]["reason"]
+    rows = {(g["system"], g["reference"]): g for g in rep["greedy"]}
+    assert rows[("ours-spec-eagle", "ours-ar")]["must_equal"] and rep["greedy_mismatches"] == 0
+
+
+def test_also_refuses_what_is_not_an_export(tmp_path):
+    with pytest.raises(UserError, match=r"--also .* is not an export directory"):
+        BenchOptions(also=(str(tmp_path),))
+
+
 @pytest.mark.slow
 def test_genai_and_optimum_peers(exported, tiny_model_dir, tmp_path):
     """onnxruntime-genai's build of the same base decodes the same greedy tokens as ours-ar; optimum

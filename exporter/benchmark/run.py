@@ -51,6 +51,9 @@ class BenchOptions:
     tune: bool | None = None
     work: str | None = None  # keep peers' builds here (default: a temporary directory)
     logs: str | None = None  # the workers' and builds' logs (default: kept in a temporary directory on failure)
+    # raw exports of the same base with other drafters: each runs as ours-spec-<kind> at every precision,
+    # beside the main export's systems (Medusa against EAGLE-3 in one run)
+    also: tuple = ()
 
     def __post_init__(self):
         def need(ok, msg):
@@ -65,6 +68,10 @@ class BenchOptions:
                 flag = "--" + name.replace("_", "-")
                 need(Path(v).is_dir(), f"{flag} {v} is not a directory; pass a local Hugging Face model directory")
                 setattr(self, name, str(Path(v).absolute()))
+        self.also = tuple(str(Path(d).absolute()) for d in self.also)
+        for d in self.also:
+            need((Path(d) / "manifest.json").is_file(), f"--also {d} is not an export directory (no manifest.json); "
+                                                        f"pass a raw export of the same base with another drafter")
         for name in ("prompts_file", "work", "logs"):
             if getattr(self, name) is not None:
                 setattr(self, name, str(Path(getattr(self, name)).absolute()))
@@ -140,6 +147,7 @@ def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> 
             if not path:
                 s.skip(why)
         systems += mine
+        systems += _also_systems(opts, prec, ar.name, work, log, tune)
     peers = [p for p in opts.peers]
     if not peers:
         return systems
@@ -192,6 +200,31 @@ def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> 
             if model is None:
                 s.skip(why2)
     return systems
+
+
+def _also_systems(opts: BenchOptions, prec: str, ar_name: str, work: Path, log, tune: bool) -> list[S.System]:
+    """``--also`` exports at one precision: ``ours-spec-<kind>`` beside the main export's ``ours-ar``
+    (the same base, so the same greedy tokens; a divergence is judged by the rows contract)."""
+    from graphs.manifest import Manifest
+
+    sfx = "" if prec == "fp32" else f"-{prec}"
+    out = []
+    for d in opts.also:
+        m = Manifest.read(Path(d))
+        if not m.drafter:
+            raise UserError(f"--also {d} has no drafter; pass an export with a drafter (its base is the main one's)")
+        if m.optimization and prec != "fp32":
+            raise UserError(f"--also {d} is optimized already and --precisions {prec} optimizes from the raw trace: "
+                            f"pass a raw export (python -m exporter.export MODEL DIR)")
+        path, why = (Path(d), "") if prec == "fp32" else S.ours_variant(
+            Path(d), PRECISIONS[prec], work, log, tune=tune, threads=opts.threads)
+        s = S.System(f"ours-spec-{m.drafter['kind']}{sfx}", "ours",
+                     {"runner": "ours", "threads": opts.threads, "load_options": opts.load_options,
+                      "out_dir": str(path), "mode": "speculative", "tree": None}, precision=prec, must_equal=ar_name)
+        if not path:
+            s.skip(why)
+        out.append(s)
+    return out
 
 
 def _tree_sizes(kind: str, drafter: dict) -> list:
