@@ -1,4 +1,4 @@
-"""Train a Medusa / EAGLE-1 / EAGLE-3 drafter with a plain HF ``Trainer`` and save a ``model_dir``.
+"""Train a Medusa / EAGLE-1 / EAGLE-3 / DFlash drafter with a plain HF ``Trainer`` and save a ``model_dir``.
 
 Default: build the demo model (a tiny Llama pretrained on the Python standard library's sources,
 ~2-4 minutes on 2 CPU cores), self-distill, train the drafter, save::
@@ -12,6 +12,9 @@ the base's own answers to the project's chat prompts (standard-library text for 
 template) decoded by our engine, its features cached once, a seconds budget over the whole run::
 
     python samples/train_drafter.py --out smol-eagle3 --mode eagle3 --base model.gguf --budget-s 360
+    python samples/train_drafter.py --out smol-dflash --mode dflash --base model.gguf --budget-s 360
+
+DFlash (``--mode dflash``) trains for an existing base only (``--base``).
 The output loads with ``AutoModelForCausalLM.from_pretrained`` after
 ``exporter.speculative.enable_huggingface_checkpointing()``, and is what the exporter takes.
 """
@@ -29,6 +32,7 @@ if __package__ in (None, ""):  # run as a script: python samples/train_drafter.p
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exporter.demo_model import MODES, Clock, DemoSpec, build_demo_model
+from exporter.speculative.training import MODES as SCALABLE_MODES
 
 
 class _DefaultsUnlessUnset(argparse.ArgumentDefaultsHelpFormatter):
@@ -90,7 +94,8 @@ def main(argv=None) -> Path:
         description=__doc__.split("\n\n")[0], formatter_class=_DefaultsUnlessUnset
     )
     p.add_argument("--out", required=True, type=Path, help="output model_dir")
-    p.add_argument("--mode", choices=sorted(MODES), default="medusa", help="the drafter to train")
+    p.add_argument("--mode", choices=sorted(set(MODES) | set(SCALABLE_MODES)), default="medusa",
+                   help="the drafter to train (dflash: with --base)")
     p.add_argument("--data", choices=["distill", "text"], default="distill",
                    help="drafter training text: the base's own greedy continuations, or the corpus itself")
     p.add_argument("--base", type=Path, help="an existing HF model dir (with tokenizer.json); unset: train the "
@@ -116,6 +121,8 @@ def main(argv=None) -> Path:
     names = [f.name for f in dataclasses.fields(DemoSpec)]
     overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     spec = dataclasses.replace(spec, **overrides)
+    if args.mode not in MODES and args.base is None:
+        p.error(f"--mode {args.mode} trains for an existing base: pass --base DIR (a model directory or a .gguf)")
     if args.base is not None:
         return train_for_base(args.base, args.out, args.mode, spec, data=args.data, seed=args.seed,
                               budget_s=args.seconds_budget, distilled=args.distilled)

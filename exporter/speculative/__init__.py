@@ -1,4 +1,4 @@
-"""Drafters for a frozen HF causal LM: Medusa heads and EAGLE-1/EAGLE-3, ModelOpt-style.
+"""Drafters for a frozen HF causal LM: Medusa heads, EAGLE-1/EAGLE-3 and DFlash, ModelOpt-style.
 
     from exporter.speculative import convert, enable_huggingface_checkpointing
     convert(model, [("medusa", {"medusa_num_heads": 2, "medusa_num_layers": 1})])
@@ -7,10 +7,10 @@
     AutoModelForCausalLM.from_pretrained(d)   # the converted model again
 """
 
-from exporter.speculative.config import EagleConfig, MedusaConfig
+from exporter.speculative.config import DFlashConfig, EagleConfig, MedusaConfig
 from exporter.speculative.convert import convert, is_converted
 
-__all__ = ["EagleConfig", "MedusaConfig", "convert", "is_converted"]
+__all__ = ["DFlashConfig", "EagleConfig", "MedusaConfig", "convert", "is_converted"]
 
 from exporter.speculative.checkpoint import (
     disable_huggingface_checkpointing,

@@ -17,13 +17,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from exporter.arch import check_causal_lm
 from exporter.modeling import base_forward, causal_mask, eager_attention
-from exporter.speculative.config import EagleConfig, MedusaConfig, parse_mode_config
+from exporter.speculative.config import DFlashConfig, EagleConfig, MedusaConfig, parse_mode_config
+from exporter.speculative.dflash import DFlashModule, dflash_loss
 from exporter.speculative.eagle import EagleModule, eagle_loss
 from exporter.speculative.medusa import build_medusa_heads, medusa_rows_loss
 
 CONFIG_KEY = "speculative_decoding"
 # state_dict prefixes of the drafter, by mode
-DRAFTER_ATTR = {"medusa": "medusa_heads", "eagle": "eagle_module"}
+DRAFTER_ATTR = {"medusa": "medusa_heads", "eagle": "eagle_module", "dflash": "dflash_module"}
 DRAFTER_PREFIX = {mode: attr + "." for mode, attr in DRAFTER_ATTR.items()}
 
 
@@ -31,21 +32,25 @@ class SpeculativeModel:
     """Mixin placed in front of the base class by :func:`convert`."""
 
     spec_mode: str
-    spec_config: MedusaConfig | EagleConfig
+    spec_config: MedusaConfig | EagleConfig | DFlashConfig
 
     @property
     def drafter(self) -> nn.Module:
         return getattr(self, DRAFTER_ATTR[self.spec_mode])
 
     def base_outputs(self, input_ids, attention_mask=None):
-        """Frozen base pass: (logits, post-norm hidden, EAGLE-3 aux hidden | None)."""
+        """Frozen base pass: (logits, post-norm hidden, EAGLE-3 / DFlash target layers | None)."""
         bsz, seq = input_ids.shape
         mask = causal_mask(bsz, seq, device=input_ids.device)
         if attention_mask is not None:  # padding: no query attends a pad key
             mask = mask & attention_mask[:, None, None, :].bool()
             mask = mask | torch.eye(seq, dtype=torch.bool, device=input_ids.device)  # no empty rows
         position_ids = torch.arange(seq, device=input_ids.device).expand(bsz, seq)
-        aux = tuple(self.spec_config.eagle_aux_hidden_state_layer_ids or ()) if self.spec_mode == "eagle" else ()
+        aux = ()
+        if self.spec_mode == "eagle":
+            aux = tuple(self.spec_config.eagle_aux_hidden_state_layer_ids or ())
+        elif self.spec_mode == "dflash":
+            aux = tuple(self.spec_config.dflash_target_layer_ids)
         with torch.no_grad(), eager_attention(self.config):
             logits, hidden, aux_h, _ = base_forward(self, input_ids, position_ids, mask, None, aux)
         return logits, hidden, aux_h
@@ -53,10 +58,12 @@ class SpeculativeModel:
     def forward(self, input_ids=None, attention_mask=None, labels=None, base_features=None, **kwargs):
         """Base logits; given ``labels``, the drafter's loss too. ``base_features``: what the drafter
         reads, from a cache of the frozen base (:mod:`exporter.speculative.training`): the post-norm
-        hidden (B, L, H), or EAGLE-3's layers (B, L, n_aux*H); then the base does not run."""
+        hidden (B, L, H), or EAGLE-3's / DFlash's layers (B, L, n_aux*H); then the base does not run."""
         if labels is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        if base_features is not None:
+        if base_features is not None and self.spec_mode == "dflash":
+            logits, hidden, aux = None, None, base_features
+        elif base_features is not None:
             eagle3 = self.spec_mode == "eagle" and self.eagle_module.eagle3
             aux = base_features if eagle3 else None
             # EAGLE-3 reads no post-norm hidden: a slice of the right width stands in for its shape
@@ -69,6 +76,8 @@ class SpeculativeModel:
         if self.spec_mode == "medusa":
             masked = labels.masked_fill(~valid, -100)
             loss = medusa_rows_loss(self.medusa_heads, hidden, masked, self.spec_config.medusa_loss_decay)
+        elif self.spec_mode == "dflash":
+            loss = dflash_loss(self.dflash_module, self.spec_config, self, (logits, aux), input_ids, valid)
         else:
             loss = eagle_loss(self.eagle_module, self.spec_config, self, (logits, hidden, aux), input_ids, valid)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
@@ -94,7 +103,8 @@ def convert(model, modes):
     """Convert ``model`` in place to carry a drafter; returns it.
 
     ``modes``: ``[("medusa", {"medusa_num_heads": 2, "medusa_num_layers": 1})]`` or
-    ``[("eagle", {"eagle_num_layers": 1})]`` (EAGLE-3: ``{"use_aux_hidden_state": True, ...}``).
+    ``[("eagle", {"eagle_num_layers": 1})]`` (EAGLE-3: ``{"use_aux_hidden_state": True, ...}``) or
+    ``[("dflash", {"dflash_mask_token_id": 3, "dflash_architecture_config": {"num_hidden_layers": 2}})]``.
     """
     if is_converted(model):
         raise ValueError(
@@ -113,6 +123,9 @@ def convert(model, modes):
     # Build (and validate) the drafter before touching the model: a bad config leaves it unchanged.
     if mode == "medusa":
         drafter = build_medusa_heads(cfg, model.get_output_embeddings())
+    elif mode == "dflash":
+        cfg.resolve(base_cfg)
+        drafter = DFlashModule(cfg, base_cfg).to(device=param.device, dtype=param.dtype)
     else:
         cfg.resolve(base_cfg)
         drafter = EagleModule(cfg, base_cfg, arch)
@@ -134,7 +147,7 @@ def convert(model, modes):
 
 
 def _cfg_dict(cfg) -> dict:
-    return cfg.to_dict() if isinstance(cfg, EagleConfig) else dict(vars(cfg))
+    return cfg.to_dict() if isinstance(cfg, (EagleConfig, DFlashConfig)) else dict(vars(cfg))
 
 
 @contextlib.contextmanager
@@ -164,6 +177,6 @@ def convert_from_saved(model, saved: dict):
     """Re-convert a freshly loaded base from ``config.speculative_decoding``."""
     if not isinstance(saved, dict) or "mode" not in saved:
         raise ValueError(
-            f"malformed {CONFIG_KEY} entry {saved!r}; expected {{'mode': 'medusa'|'eagle', 'config': {{...}}}}"
+            f"malformed {CONFIG_KEY} entry {saved!r}; expected {{'mode': 'medusa'|'eagle'|'dflash', 'config': {{...}}}}"
         )
     return convert(model, [(saved["mode"], dict(saved.get("config") or {}))])

@@ -41,6 +41,10 @@ MODES = {  # the drafters this trains, as convert() takes them
     "medusa": ("medusa", {"medusa_num_heads": 3, "medusa_num_layers": 1}),
     "eagle": ("eagle", {"eagle_num_layers": 1}),
     "eagle3": ("eagle", {"use_aux_hidden_state": True, "eagle_num_layers": 1}),
+    # ModelOpt's defaults (block 8, D-PACE) with fewer layers for a 2-core CPU: ModelOpt's own small-base
+    # launcher uses 2 (tools/launcher/examples/Qwen/Qwen3-0.6B/hf_online_dflash.yaml); 64 anchors a sequence
+    # (ModelOpt: 512 over 4096-token rows) bound the LM-head rows a step; the mask token is picked by run()
+    "dflash": ("dflash", {"dflash_architecture_config": {"num_hidden_layers": 2}, "dflash_num_anchors": 64}),
 }
 
 
@@ -49,7 +53,7 @@ class TrainingConfig:
     """One drafter training run; every field has a default that fits a 2-core CPU and a ~135M base."""
 
     mode: str = "eagle3"
-    """medusa | eagle (EAGLE-1) | eagle3."""
+    """medusa | eagle (EAGLE-1) | eagle3 | dflash."""
     max_new_tokens: int = 96
     """Length of each distilled answer (tokens)."""
     distill_rows: int = 16
@@ -186,7 +190,20 @@ def feature_layers(model) -> tuple[str, tuple[int, ...]]:
     """What the converted ``model``'s drafter reads: ("hidden", ()) or ("aux", layer ids)."""
     if model.spec_mode == "eagle" and model.eagle_module.eagle3:
         return "aux", tuple(model.spec_config.eagle_aux_hidden_state_layer_ids)
+    if model.spec_mode == "dflash":
+        return "aux", tuple(model.spec_config.dflash_target_layer_ids)
     return "hidden", ()
+
+
+def pick_mask_token(examples: list[Example], vocab_size: int, avoid=()) -> int:
+    """DFlash's mask token when none is given: the highest id that no example (prompt or answer) holds
+    and that is not in ``avoid`` (the special tokens): its frozen base embedding then means "unknown
+    slot" only (docs/dflash.md, R1)."""
+    seen = {t for e in examples for t in e.ids} | set(avoid)
+    for t in range(vocab_size - 1, -1, -1):
+        if t not in seen:
+            return t
+    raise ValueError("every token id of the vocabulary occurs in the training data: set dflash_mask_token_id")
 
 
 @dataclass
@@ -402,7 +419,9 @@ def heldout_acceptance(model, held: FeatureCache, depth: int = 3) -> dict:
     At each answer position t the drafter drafts ``depth`` tokens feeding itself (as at serving time);
     a chain's accepted length is 1 + its leading correct drafts (the bonus token counts), so
     ``tau_chain`` is the mean accepted length a chain of this depth reaches on greedy decoding.
-    ``per_position[k]``: the share of anchors whose first k+1 drafts are all right."""
+    ``per_position[k]``: the share of anchors whose first k+1 drafts are all right. DFlash drafts
+    its whole block (depth ``block_size - 1``) from each answer token as anchor."""
+    from exporter.speculative.dflash import dflash_block_predictions
     from exporter.speculative.eagle import eagle_chain_predictions
     from exporter.speculative.medusa import medusa_logits
 
@@ -411,6 +430,17 @@ def heldout_acceptance(model, held: FeatureCache, depth: int = 3) -> dict:
         ids = torch.tensor([e.ids])
         feats = f[None].float()
         n_prompt = len(e.prompt)
+        if model.spec_mode == "dflash":  # anchor t (an answer token): drafts [j, k] guess x_{t+k+1}
+            d = model.dflash_module.block_size - 1
+            anchors = list(range(max(n_prompt, 1), ids.shape[1] - 1))
+            if anchors:
+                preds = dflash_block_predictions(model, feats, ids, anchors)
+                for j, t in enumerate(anchors):
+                    k = 0
+                    while k < d and t + k + 1 < ids.shape[1] and int(preds[j, k]) == int(ids[0, t + k + 1]):
+                        k += 1
+                    by_cat.setdefault(e.category, []).append(torch.tensor(k))
+            continue
         if model.spec_mode == "medusa":
             heads = medusa_logits(model.medusa_heads, feats).argmax(-1)[0]  # (S, heads)
             d = min(depth, heads.shape[1])
@@ -425,6 +455,8 @@ def heldout_acceptance(model, held: FeatureCache, depth: int = 3) -> dict:
             while k < d and t + k + 2 < seq and int(preds[t, k]) == int(ids[0, t + k + 2]):
                 k += 1
             by_cat.setdefault(e.category, []).append(torch.tensor(k))
+    if model.spec_mode == "dflash":
+        depth = model.dflash_module.block_size - 1
     out = {}
     for cat, ks in sorted(by_cat.items()):
         out[cat] = _acceptance(torch.stack(ks), depth)
@@ -482,7 +514,13 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
             save_examples(distilled, examples)
     t_distill = time.perf_counter() - t0
     n_tokens = sum(len(e.answer) for e in examples)
-    convert(model, [cfg.convert_config()])
+    kind, drafter_cfg = cfg.convert_config()
+    if kind == "dflash" and drafter_cfg.get("dflash_mask_token_id") is None:
+        specials = [getattr(model.config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")]
+        drafter_cfg["dflash_mask_token_id"] = pick_mask_token(
+            examples, model.config.vocab_size, [t for s in specials for t in (s if isinstance(s, list) else [s])])
+        log(f"dflash: mask token {drafter_cfg['dflash_mask_token_id']} (held by no distilled example)")
+    convert(model, [(kind, drafter_cfg)])
     coverage = set_draft_vocab(model, examples) if cfg.mode == "eagle3" else None
     t1 = time.perf_counter()
     # features may take up to FEATURES_SHARE of the budget past distillation; training keeps the rest
@@ -502,7 +540,8 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
     t_train = time.perf_counter() - t2
     acceptance = heldout_acceptance(model, held, cfg.depth) if held.examples else {}
     if acceptance:
-        log(f"held-out acceptance (top-1 chain of depth {cfg.depth}): " + ", ".join(
+        depth = model.dflash_module.block_size - 1 if cfg.mode == "dflash" else cfg.depth
+        log(f"held-out acceptance (top-1 chain of depth {depth}): " + ", ".join(
             f"{c} {a['tau_chain']:.2f}" for c, a in acceptance.items()))
     return {
         "config": dataclasses.asdict(cfg),
