@@ -1,4 +1,5 @@
-"""Load drafters trained elsewhere onto an unconverted base: ModelOpt, FasterDecoding/Medusa, SafeAILab/EAGLE.
+"""Load drafters trained elsewhere onto an unconverted base: ModelOpt, FasterDecoding/Medusa, SafeAILab/EAGLE,
+z-lab/DFlash.
 
 Each format is one small function that maps the foreign key layout onto ours and infers the
 drafter config from the tensor shapes (and a ``config.json`` next to the weights, when there is one):
@@ -15,7 +16,15 @@ medusa``               ``{k}.{n}.weight`` (n = layers per head) -> ``{k}.lm_head
                        ``input_layernorm``); ``embed_tokens.weight`` is the base's and is ignored
 ``safeailab_eagle3``   EAGLE-3: ``fc.weight [H,n*H]``, ``midlayer.*`` -> ``layers.0.*``, ``norm``,
                        ``lm_head [Vd,H]``, ``d2t``; ``t2d`` and ``embed_tokens`` are ignored
+``zlab_dflash``        DFlash drafter as z-lab ships it and ModelOpt exports it: ``fc.weight [H,n*H]``,
+                       top-level ``hidden_norm.weight``, ``norm``, ``layers.{i}.*`` (names as ours);
+                       ``config.json`` gives ``block_size``, ``dflash_config.{mask_token_id,
+                       target_layer_ids}`` and the dims (checked against the tensors)
 =====================  ==========================================================================
+
+A raw ModelOpt DFlash checkpoint (``dflash_module.*`` beside the base's keys) keeps its block size and
+mask token in ModelOpt's own state, which is not read: pass them as ``config={"dflash_block_size": 8,
+"dflash_mask_token_id": ...}``; its target layers are ModelOpt's ``build_target_layer_ids``.
 
 Attention biases a foreign Llama-style drafter lacks (a Qwen2 base has q/k/v biases) are zero: the
 same function. ``.pt``/``.bin`` files load with ``torch.load(weights_only=True)``; prefer safetensors.
@@ -41,11 +50,13 @@ log = logging.getLogger(__name__)
 
 FORMATS = {
     "drafter": "this project's save_drafter output (drafter.safetensors + drafter_config.json)",
-    "modelopt": "ModelOpt / HF checkpoint with medusa_heads.* or eagle_module.* keys",
+    "modelopt": "ModelOpt / HF checkpoint with medusa_heads.*, eagle_module.* or dflash_module.* keys",
     "fasterdecoding_medusa": "FasterDecoding/Medusa head file (medusa_lm_head.safetensors|.pt; "
     "{k}.{j}.linear.*, {k}.{n}.weight)",
     "safeailab_eagle": "SafeAILab/EAGLE EAGLE-1 drafter (fc.weight [H, 2H], layers.{i}.*)",
     "safeailab_eagle3": "SafeAILab/EAGLE EAGLE-3 drafter (fc.weight [H, n*H], midlayer.*, norm, lm_head, d2t)",
+    "zlab_dflash": "z-lab DFlash drafter / ModelOpt DFlash export (fc.weight, hidden_norm.weight, norm, layers.{i}.* "
+    "+ config.json with block_size, dflash_config)",
 }
 _WEIGHT_SUFFIXES = (".safetensors", ".pt", ".bin", ".pth")
 # Foreign tensors we know and do not need: the base's embedding, EAGLE-3's target->draft mask, RoPE.
@@ -135,6 +146,8 @@ def detect_format(keys) -> str:
         return "modelopt"
     if any(k.startswith("midlayer.") for k in keys):
         return "safeailab_eagle3"
+    if "hidden_norm.weight" in keys:  # top level: DFlash (EAGLE-3's is layers.0.hidden_norm); before EAGLE-1
+        return "zlab_dflash"
     if "fc.weight" in keys and any(k.startswith("layers.") for k in keys):
         return "safeailab_eagle"
     if keys and all(re.fullmatch(r"\d+\.\d+\.(linear\.)?(weight|bias)", k) for k in keys):
@@ -312,6 +325,14 @@ def _modelopt(src: _Source, base_cfg, overrides) -> _Plan:
         if isinstance(saved, dict) and saved.get("mode") == "medusa":
             plan.config = {**saved.get("config", {}), **plan.config}
         return plan
+    dflash = [k for k in keys if k.startswith(DRAFTER_PREFIX["dflash"])]
+    if dflash:
+        if eagle:
+            raise ValueError(f"modelopt: {src.path} has both eagle_module.* and dflash_module.* tensors")
+        prefix = DRAFTER_PREFIX["dflash"]
+        mapping = {k[len(prefix) :]: k for k in dflash if not _IGNORED.search(k)}
+        ours = saved.get("config") if isinstance(saved, dict) and saved.get("mode") == "dflash" else None
+        return _dflash_plan(src, mapping, base_cfg, "modelopt", overrides, ours or {})
     prefix = DRAFTER_PREFIX["eagle"]
     mapping = {k[len(prefix) :]: k for k in eagle if not _IGNORED.search(k)}
     eagle3 = "layers.0.hidden_norm.weight" in mapping
@@ -321,12 +342,114 @@ def _modelopt(src: _Source, base_cfg, overrides) -> _Plan:
     return plan
 
 
+# ---------------------------------------------------------------------------------------------
+# DFlash: z-lab / ModelOpt-exported drafters, ModelOpt's dflash_module
+
+
+def _dflash_dims(src: _Source, mapping: dict[str, str], base_cfg, fmt: str) -> dict:
+    """The draft architecture read from the tensor shapes (never assumed: ModelOpt's defaults are
+    Qwen3-8B's dims, whatever the base, docs/dflash.md 1.2)."""
+    h = base_cfg.hidden_size
+    for key in ("fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight",
+                "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+                "layers.0.mlp.gate_proj.weight"):
+        if key not in mapping:
+            raise ValueError(f"{fmt}: no {key} in {src.path}: not a DFlash drafter; accepted formats: {_accepted()}")
+    fc = src.shape(mapping["fc.weight"])
+    if len(fc) != 2 or fc[0] != h or fc[1] % h:
+        raise _shape_error(fmt, src, mapping["fc.weight"], fc, (h, "n*" + str(h)), base_cfg)
+    layers = {int(m[1]) for k in mapping if (m := re.match(r"layers\.(\d+)\.", k))}
+    if sorted(layers) != list(range(len(layers))):
+        raise ValueError(f"{fmt}: drafter layers in {src.path} are {sorted(layers)}, expected 0..N-1")
+    d = src.shape(mapping["layers.0.self_attn.q_norm.weight"])[0]
+    q = src.shape(mapping["layers.0.self_attn.q_proj.weight"])[0]
+    k = src.shape(mapping["layers.0.self_attn.k_proj.weight"])[0]
+    return {"num_hidden_layers": len(layers), "head_dim": d, "num_attention_heads": q // d,
+            "num_key_value_heads": k // d,
+            "intermediate_size": src.shape(mapping["layers.0.mlp.gate_proj.weight"])[0],
+            "attention_bias": "layers.0.self_attn.q_proj.bias" in mapping, "n_target": fc[1] // h}
+
+
+def _dflash_plan(src: _Source, mapping: dict[str, str], base_cfg, fmt: str, overrides: dict, saved: dict) -> _Plan:
+    """A DFlash drafter's convert() config: the dims from the tensors, block size / mask token / target
+    layers / RoPE base from ``overrides``, else ``saved`` (our own config), else ``config.json`` (z-lab's
+    fields), else ModelOpt's defaults (the mask token has none: one line naming the fix)."""
+    for bad in ("lm_head.weight", "d2t"):
+        if bad in mapping:
+            raise ValueError(f"{fmt}: {src.path} carries its own {bad} (a draft vocabulary): not supported, a DFlash "
+                             f"drafter here shares the base's LM head")
+    if src.path.is_dir() and (src.path / "mask_embedding.pt").exists():
+        raise ValueError(f"{fmt}: {src.path} has a trained mask_embedding.pt: not supported (the mask token's "
+                         f"embedding is the base's)")
+    dims = _dflash_dims(src, mapping, base_cfg, fmt)
+    n_target = dims.pop("n_target")
+    cfg = src.config if fmt == "zlab_dflash" else {}
+    dcfg = cfg.get("dflash_config") or {}
+    n_layers = base_cfg.num_hidden_layers
+    if fmt == "zlab_dflash":
+        for key, ours in (("hidden_size", base_cfg.hidden_size), ("vocab_size", base_cfg.vocab_size),
+                          ("num_target_layers", n_layers)):
+            if key in cfg and cfg[key] != ours:
+                raise ValueError(f"{fmt}: {src.path}/config.json says {key}={cfg[key]}, this base has {ours}: the "
+                                 f"drafter was trained for another base")
+        swa = dcfg.get("use_swa") or (cfg.get("sliding_window") and cfg.get("use_sliding_window"))
+        if cfg.get("rope_scaling") or swa:
+            raise ValueError(f"{fmt}: {src.path} uses rope_scaling or sliding-window attention: not supported yet")
+        if any(t != "full_attention" for t in cfg.get("layer_types") or []):
+            raise ValueError(f"{fmt}: {src.path} has layer_types {cfg['layer_types']}: only full attention is "
+                             f"supported yet")
+        for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                    "num_hidden_layers"):
+            if key in cfg and cfg[key] != dims[key]:
+                raise ValueError(f"{fmt}: {src.path}/config.json says {key}={cfg[key]}, its tensors say "
+                                 f"{dims[key]}")
+    arch = dict(dims)
+    for key in ("rms_norm_eps", "hidden_act"):
+        if key in cfg:
+            arch[key] = cfg[key]
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta:
+        arch["rope_theta"] = theta
+    arch.update((saved.get("dflash_architecture_config") or {}) | (overrides.get("dflash_architecture_config") or {}))
+    out = {k: v for k, v in saved.items() if k != "dflash_architecture_config"}
+    out["dflash_architecture_config"] = arch
+    if "block_size" in cfg:
+        out.setdefault("dflash_block_size", cfg["block_size"])
+    if dcfg.get("mask_token_id") is not None:
+        out.setdefault("dflash_mask_token_id", dcfg["mask_token_id"])
+    if dcfg.get("target_layer_ids"):
+        out.setdefault("dflash_target_layer_ids", list(dcfg["target_layer_ids"]))
+    out.update({k: v for k, v in overrides.items() if k != "dflash_architecture_config"})
+    if out.get("dflash_mask_token_id") is None:
+        raise ValueError(f"{fmt}: {src.path} does not say its mask token; pass config={{'dflash_mask_token_id': ID, "
+                         f"'dflash_block_size': B}} as it was trained (ModelOpt keeps them in its own state)")
+    ids = out.get("dflash_target_layer_ids")
+    if ids is None:
+        from exporter.speculative.config import build_target_layer_ids
+
+        if n_target != dims["num_hidden_layers"] or n_layers < n_target:
+            raise ValueError(f"{fmt}: the DFlash drafter in {src.path} fuses {n_target} base layers and names none; "
+                             f"pass config={{'dflash_target_layer_ids': [...]}} ({n_target} ids in 0..{n_layers - 2})")
+        ids = out["dflash_target_layer_ids"] = build_target_layer_ids(n_layers, n_target)
+        log.warning("%s: %s names no target layers: using ModelOpt's build_target_layer_ids -> %s", fmt, src.path, ids)
+    if len(ids) != n_target:
+        raise ValueError(f"{fmt}: {src.path} names {len(ids)} target layers {ids}, but its fc.weight "
+                         f"{src.shape(mapping['fc.weight'])} fuses {n_target}")
+    return _Plan("dflash", out, sources=dict(mapping))
+
+
+def _zlab_dflash(src: _Source, base_cfg, overrides) -> _Plan:
+    mapping = {k: k for k in src.names() if not _IGNORED.search(k)}
+    return _dflash_plan(src, mapping, base_cfg, "zlab_dflash", overrides, {})
+
+
 # format -> importer(source, base HF config, user overrides) -> plan
 _IMPORTERS: dict[str, Callable[[_Source, object, dict], _Plan]] = {
     "modelopt": _modelopt,
     "fasterdecoding_medusa": _fasterdecoding_medusa,
     "safeailab_eagle": lambda src, cfg, over: _safeailab(src, cfg, over, eagle3=False),
     "safeailab_eagle3": lambda src, cfg, over: _safeailab(src, cfg, over, eagle3=True),
+    "zlab_dflash": _zlab_dflash,
 }
 
 
@@ -402,8 +525,8 @@ def load_external_drafter(model, path, fmt: str = "auto", config: dict | None = 
     src = _Source(path)
     fmt = detect_format(src.names()) if fmt == "auto" else fmt
     plan = _IMPORTERS[fmt](src, model.config, dict(config or {}))
-    with undo_convert_on_error(model):
-        convert(model, [(plan.mode, {**plan.config, **(config or {})})])
+    with undo_convert_on_error(model):  # (a DFlash plan has merged the overrides already, nested ones too)
+        convert(model, [(plan.mode, plan.config if plan.mode == "dflash" else {**plan.config, **(config or {})})])
         state = _build_state(model, src, plan, fmt)
         load_drafter_state(model, state, f"{src.path} ({fmt})")
     log.info("loaded a %s drafter from %s (%s): %s", plan.mode, path, fmt, model.config.speculative_decoding)
