@@ -61,7 +61,7 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,7 +72,7 @@ _ROOT_ONLY = Tree.from_parents([-1])
 COLD_SKIPS = 16  # Costs: cold measurements of a size left out in a row before they are folded in
 OUTLIER = 2.0  # Costs: a measurement is averaged in as at most this many times the average
 # A server runs for days: what the policy keeps must not grow with the requests it served.
-HISTORY_WINDOW = 4096  # Planner.history: the widths of the last steps (amortized trim at twice this)
+HISTORY_WINDOW = 4096  # Planner.history: the widths of the last steps kept (a window, not a log)
 PRIORS_MAX = 256  # Priors: settings whose mean gains are kept, the least recently used forgotten
 
 # how a row takes part in a step (Planner.plan)
@@ -439,7 +439,7 @@ class Planner:
         self.due = self.wait  # plain steps before the next probe: the wait, or longer where drafting is far from paying
         self.probing = False  # the last step was a probe
         self.last_width = 1
-        self.history: list[int] = []  # the widths of the last planned steps (tests; HISTORY_WINDOW)
+        self.history: deque[int] = deque(maxlen=HISTORY_WINDOW)  # the widths of the last planned steps
         self._reuse = 0  # plain steps left that reuse the last plain decision without deciding
         self._fast_left = 0  # drafted steps left that reuse the last full-tree decision (it clearly paid)
         self._probe_left = 0  # drafted steps left of a probe (AdaptiveConfig.probe_steps)
@@ -653,8 +653,6 @@ class Planner:
 
     def _record(self, width: int) -> None:
         self.history.append(width)
-        if len(self.history) > 2 * HISTORY_WINDOW:
-            del self.history[:-HISTORY_WINDOW]
 
     def end_fast(self) -> None:
         """A draft was wholly rejected inside a reused full-tree window: decide afresh next step."""

@@ -56,19 +56,21 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from graphs import contract as C
-from graphs.adaptive import IDLE, SPEC_ADAPTIVE, SPEC_OFF, SPEC_ON, AdaptiveConfig, Planner, RowGains, root_only
+from graphs import emit
+from graphs.adaptive import IDLE, SPEC_ADAPTIVE, SPEC_OFF, SPEC_ON, AdaptiveConfig, Planner, root_only
 from graphs.errors import CapacityError, InputError, NonFiniteLogitsError
 from graphs.params import GenerationParams, Resolved
 from graphs.proposers import Eagle, Medusa, Plain
-from graphs.results import RequestEvent, Sampler, Stats
-from graphs.slots import SlotCache
+from graphs.requests import DECODING, DONE, PREFILL, WAITING, Request
+from graphs.results import RequestEvent, Stats
+from graphs.step import CallTime, Drafts, PlainRecord, Proposal, RowResult, StepPlan, StepRecord
+from graphs.trees import Tree
 
-WAITING, PREFILL, DECODING, DONE = "waiting", "prefill", "decoding", "done"
 # Plain steps one run may take at most: the K/V room a run reserves ahead (its rows grow as they
 # fill, not to their whole length at once); a tiny model's 0.1 ms steps fill plain_run_s with fewer.
 PLAIN_RUN_MAX = 64
@@ -117,7 +119,7 @@ class VerifyRecord:
     """One row of one verify step (what :meth:`graphs.runtime.Decoder.watch_verify` records)."""
 
     request_id: int
-    tree: object  # graphs.trees.Tree verified
+    tree: Tree  # verified
     tokens: np.ndarray  # (tree.size,) its tokens, root first
     position: int  # the root's position
     accepted: list[int]  # accepted node indices, root first
@@ -125,78 +127,34 @@ class VerifyRecord:
     step: int = 0  # the engine's step count (Engine.totals.steps) when verified
 
 
-@dataclass
-class Request:
-    """Everything about one request; the engine's thread is the only one that changes it."""
-
-    id: int
-    prompt: list[int]
-    params: Resolved
-    max_new: int
-    eos: set
-    speculation: str  # "on" | "off" | "adaptive"
-    sampler: Sampler
-    tree: object = None  # Medusa: graphs.trees.Tree; EAGLE: {"topk", "depth", "total_tokens"}
-    tree_role: str | None = None  # EAGLE: the baked tree graph drafting it in one call, if any
-    tree_size: int = 1
-    prior_key: tuple = ()
-    deadline: float | None = None
-    stats: Stats = field(default_factory=Stats)
-    state: str = WAITING
-    slot: int | None = None
-    prefilled: int = 0  # prompt tokens in the cache
-    position: int = 0  # cached positions (the root's position)
-    root: int = 0  # the last emitted token, not yet cached
-    draft: object = None  # the proposer's state
-    gains: RowGains | None = None
-    tokens: list[int] = field(default_factory=list)
-    done: str | None = None
-    text: str = ""
-    streamed: str = ""
-    detok: object = None
-    text_per_token: bool = True  # the text follows each token (streams, stop strings); else decoded at the end
-    t_added: float = 0.0
-    error: BaseException | None = None  # what ended it with finish_reason "error" (Engine._request_failed)
-
-
 class Engine:
-    """Continuous batching over one decoder's sessions (see the module doc)."""
+    """Continuous batching over one executor (see the module doc).
 
-    def __init__(self, decoder, config: EngineConfig | None = None, planner: Planner | None = None,
-                 kv: SlotCache | None = None, keep_kv: bool = False, full_stats: bool = False, first_id: int = 0):
-        """``kv``: an idle cache of an earlier engine of this decoder to reuse (its buffers, capacity and
-        bindings: :meth:`graphs.runtime.Decoder.generate` lends its last one), taken where it fits this
-        engine (as many rows, no row occupied, a capacity within this engine's budget), else a new one
-        is made. ``keep_kv``: keep the K/V memory when no request is left (for a caller that lends it
-        on); by default an engine gives it back then (a server's engine between bursts). ``full_stats``:
+    Its collaborators are injected (a composition seam, as onnxruntime-genai's ``EngineDependencies``):
+    ``make_executor(slots, max_len, headroom)`` the graph calls and K/V (graphs.executor), ``requests``
+    what makes and names requests (graphs.requests.RequestMaker: resolve, new_request, tokenizer,
+    decode), ``planner`` the adaptive policy, ``watchers`` the shared lists that record each verify."""
+
+    def __init__(self, make_executor, requests, config: EngineConfig | None = None, planner: Planner | None = None,
+                 watchers: list | None = None, keep_kv: bool = False, full_stats: bool = False, first_id: int = 0):
+        """``keep_kv``: keep the K/V memory when no request is left (for a caller that lends it on); by
+        default an engine gives it back then (a server's engine between bursts). ``full_stats``:
         ``totals.accepted`` keeps every step's entry (a generate batch: bounded by its requests), else the
         last ACCEPTED_WINDOW. ``first_id``: the first request id (an engine rebuilt after a failure
         starts past its predecessor's, so a late cancel of an old id never ends a new request)."""
-        self.dec = decoder
+        self.requests = requests
         self.config = cfg = config or EngineConfig()
-        self.max_len = min(cfg.max_len or 2048, decoder.max_positions)
-        if cfg.max_len is not None and cfg.max_len > decoder.max_positions:
-            raise InputError(f"EngineConfig.max_len {cfg.max_len} exceeds the model's context of "
-                             f"{decoder.max_positions} positions")
-        src = decoder.manifest.source
-        limit = self.max_len + cfg.max_tree  # the columns a row may ever have: max_len and one tree
-        if not (kv is not None and kv.slots == cfg.max_batch and kv.n == 0 and kv.temp == 0
-                and kv.capacity <= limit and kv.layout == decoder.kv_layout and kv.dtype == decoder.dtype
-                and kv.num_layers == src["num_layers"]):
-            kv = SlotCache(src["num_layers"], cfg.max_batch, src["num_kv_heads"], src["head_dim"], decoder.dtype,
-                           self.max_len, headroom=cfg.max_tree, layout=decoder.kv_layout)
-        kv.limit = limit
-        self.kv = kv
+        limit = requests.max_positions
+        self.max_len = min(cfg.max_len or 2048, limit)
+        if cfg.max_len is not None and cfg.max_len > limit:
+            raise InputError(f"EngineConfig.max_len {cfg.max_len} exceeds the model's context of {limit} positions")
+        self.ex = make_executor(cfg.max_batch, self.max_len, cfg.max_tree)
         self.keep_kv = keep_kv
-        self.layers = src["num_layers"]
-        self.plain = Plain(decoder)
-        if decoder.kind == "medusa":
-            self.proposer = Medusa(decoder)
-        elif decoder.kind == "eagle":
-            self.proposer = Eagle(decoder, cfg.max_batch, self.max_len, cfg.max_tree)
-        else:
-            self.proposer = self.plain
-        self.planner = planner or decoder.new_planner()
+        self.plain = Plain(self.ex)
+        kind = self.ex.info.kind
+        self.proposer = Medusa(self.ex) if kind == "medusa" else Eagle(self.ex) if kind == "eagle" else self.plain
+        self.planner = planner or Planner()
+        self.watchers = watchers if watchers is not None else []
         # what the last call was ("prefill", "plain" or "drafted"): a decode step of the other kind
         # runs cold, its costs not folded into the planner's (graphs.adaptive.Costs)
         self._last_call = "prefill"
@@ -216,6 +174,11 @@ class Engine:
         self._deadlines = False  # a request with a deadline was added (_expire has something to check)
         self._interrupt = False  # interrupt(): end the plain run in progress
 
+    @property
+    def kv(self):
+        """The base's K/V rows of a host executor (graphs.slots.SlotCache: tests, the decoder's spare)."""
+        return self.ex.kv
+
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt, params: GenerationParams | Resolved | None = None, *,
@@ -224,11 +187,11 @@ class Engine:
 
         ``params``/``overrides`` as :meth:`graphs.runtime.Decoder.generate`; ``deadline_s``: seconds
         from now after which it finishes with ``finish_reason="deadline"``."""
-        r = params if isinstance(params, Resolved) else self.dec.resolve(params, **overrides)
-        return self.add(self.dec.new_request(prompt, r, self.max_len), deadline_s=deadline_s)
+        r = params if isinstance(params, Resolved) else self.requests.resolve(params, **overrides)
+        return self.add(self.requests.new_request(prompt, r, self.max_len), deadline_s=deadline_s)
 
     def add(self, req: Request, deadline_s: float | None = None) -> int:
-        """Queue a request made by :meth:`graphs.runtime.Decoder.new_request`; returns its id. Any thread."""
+        """Queue a request made by :meth:`graphs.requests.RequestMaker.new_request`; returns its id. Any thread."""
         if isinstance(req.tree, dict) and req.tree_role is None:  # step-wise EAGLE: its temporary rows
             need = max(req.tree_size, req.tree["topk"] * req.tree["depth"])
         else:
@@ -278,7 +241,7 @@ class Engine:
             with contextlib.suppress(ValueError):
                 self._incoming.remove(req)
         self._finish(req, "cancelled")
-        self._removed.append(self._event(req, []))
+        self._removed.append(emit.event(req, []))
         self._retire()
 
     def interrupt(self) -> None:
@@ -300,9 +263,10 @@ class Engine:
 
     def memory(self) -> dict:
         """K/V memory: what the budget can ever take and what is allocated now (bytes)."""
-        return {"slots": self.config.max_batch, "max_len": self.max_len, "kv_budget_bytes": self.kv.budget_bytes,
-                "kv_allocated_bytes": self.kv.allocated_bytes, "rows_used": self.kv.n,
-                "waiting": len(self._waiting) + len(self._incoming), **self.proposer.memory()}
+        mem = self.ex.memory()
+        return {"slots": self.config.max_batch, "max_len": self.max_len, "kv_budget_bytes": mem.pop("kv_budget_bytes"),
+                "kv_allocated_bytes": mem.pop("kv_allocated_bytes"), "rows_used": self.ex.rows,
+                "waiting": len(self._waiting) + len(self._incoming), **mem}
 
     # ------------------------------------------------------------------ the loop
 
@@ -345,7 +309,7 @@ class Engine:
         for req in [*self._rows, *self._waiting]:
             if req.deadline is not None and now >= req.deadline and not req.done:
                 self._finish(req, "deadline")
-                events.append(self._event(req, []))
+                events.append(emit.event(req, []))
         self._retire()
 
     def _admit(self) -> None:
@@ -353,8 +317,7 @@ class Engine:
             req = self._waiting.popleft()
             if req.done:
                 continue
-            req.slot = self.kv.add_row()
-            self.proposer.add_row()
+            req.slot = self.ex.add_row()
             self._rows.append(req)
             req.state = PREFILL
             req.draft = self._proposer(req).new_state(req)
@@ -393,7 +356,7 @@ class Engine:
     def _prefill_run(self, run: list) -> list:
         lo, bsz = run[0][0].slot, len(run)
         s = max(c for _, c in run)
-        ids = np.full((bsz, s), self.dec.pad, dtype=np.int64)
+        ids = np.full((bsz, s), self.ex.info.pad, dtype=np.int64)
         pos = np.zeros((bsz, s), dtype=np.int64)
         counts = np.array([c for _, c in run], dtype=np.int64)
         for j, (req, c) in enumerate(run):
@@ -401,13 +364,12 @@ class Engine:
             pos[j] = req.prefilled + np.arange(s)
         causal = np.tril(np.ones((s, s), dtype=bool))[None] & (np.arange(s)[None, None, :] < counts[:, None, None])
         causal |= np.eye(s, dtype=bool)[None]  # pad rows see themselves: no empty softmax
-        rows = slice(lo, lo + bsz)
         t0 = time.perf_counter()
-        out = self.dec.base_forward(self.kv, ids, pos, causal, rows=rows)
+        out = self.ex.prefill(lo, ids, pos, causal)
         t = time.perf_counter() - t0
         self.planner.costs.add_verify(bsz * s, t)
         self.totals.time_prefill += t
-        self.kv.commit(self.dec.presents(out), np.broadcast_to(np.arange(s), (bsz, s)), counts, first=lo)
+        self.ex.commit(np.broadcast_to(np.arange(s), (bsz, s)), counts, first=lo)
         events = []
         for j, (req, c) in enumerate(run):
             req.stats.time_prefill += t
@@ -432,210 +394,200 @@ class Engine:
                     events.append(ev)
         return events
 
+    # ------------------------------------------------------------------ a decode step, in phases
+
     def _decode(self, one: bool = False) -> list:
-        """One decode step of every decoding row (``one`` False: a run of plain steps where one may run)."""
+        """One decode step of every decoding row (``one`` False: a run of plain steps where one may run):
+        plan -> (a plain run, or) propose -> verify -> select -> commit -> advance -> account -> emit."""
         t_start = time.perf_counter()
-        rows = self._rows
-        n = len(rows)
-        live = [r if r.state == DECODING else None for r in rows]
-        adaptive = any(r is not None and r.speculation == "adaptive" for r in live)
-        if any(r is not None and r.speculation != "off" for r in live):
-            modes = np.array([IDLE if r is None else _MODES[r.speculation] for r in live])
-            full = np.array([1 if r is None else r.tree_size for r in live], dtype=np.int64)
-            sizes = self.planner.plan(modes, full, lambda: [None if r is None or r.gains is None
-                                                            else r.gains.predicted() for r in live],
-                                      lambda: [None if r is None or r.gains is None else r.gains.ceiling
-                                               for r in live])
-            drafted = max(sizes.tolist()) > 1
-        else:  # nobody may speculate: nothing to decide
-            sizes, drafted = None, False
-        if not drafted:
-            events = self._plain_step(live, t_start, 1 if one else self._plain_run(live))
+        plan = self._plan()
+        if not plan.drafted:
+            events = self._plain_step(plan.live, t_start, 1 if one else self._plain_run(plan.live))
             if events is not None:
                 return events
-            if sizes is None:
-                sizes = np.array([0 if r is None else 1 for r in live], dtype=np.int64)
-        if drafted:
-            proposals, t_draft, calls = self.proposer.propose(live, sizes)
-        else:
-            proposals, t_draft, calls = self.plain.propose(live, sizes)
-        # verify: every occupied row, its tree padded to the batch's width (on a bound call where there is one)
-        width = max(len(cand) for _, cand in proposals)
-        cands = [cand for _, cand in proposals]
+        rec = self._speculate(plan)
+        cold = self._switched("drafted" if plan.drafted else "plain")
+        n = len(plan.live)
+        self.planner.costs.add_verify(n * rec.drafts.width, rec.seconds("verify"), cold)
+        if plan.drafted:
+            self.planner.costs.add_draft(n, rec.drafts.seconds, cold)
+        self._count_step(plan.drafted, rec.seconds("verify"), rec.drafts.seconds, rec.drafts.calls)
+        events = self._emit_step(rec)
+        rec.host = time.perf_counter() - t_start - rec.seconds("verify") - rec.drafts.seconds
+        self.planner.costs.add_host(plan.drafted, rec.host, n, cold)
+        return events
+
+    def _plan(self) -> StepPlan:
+        """Each row's tree size for this step (the policy's, where a row may speculate)."""
+        live = [r if r.state == DECODING else None for r in self._rows]
+        adaptive = any(r is not None and r.speculation == "adaptive" for r in live)
+        if not any(r is not None and r.speculation != "off" for r in live):  # nobody may: nothing to decide
+            return StepPlan(live, np.array([0 if r is None else 1 for r in live], dtype=np.int64), False, adaptive)
+        modes = np.array([IDLE if r is None else _MODES[r.speculation] for r in live])
+        full = np.array([1 if r is None else r.tree_size for r in live], dtype=np.int64)
+        sizes = self.planner.plan(modes, full,
+                                  lambda: [None if r is None or r.gains is None else r.gains.predicted() for r in live],
+                                  lambda: [None if r is None or r.gains is None else r.gains.ceiling for r in live])
+        return StepPlan(live, sizes, max(sizes.tolist()) > 1, adaptive)
+
+    def _speculate(self, plan: StepPlan) -> StepRecord:
+        """Propose, verify every occupied row (its tree padded to the batch's width), select each row's
+        accepted nodes, commit their K/V, advance the drafter. A row whose own selection fails ends
+        alone and keeps nothing of this step."""
+        live = plan.live
+        drafts = (self.proposer if plan.drafted else self.plain).propose(live, plan.sizes)
         t0 = time.perf_counter()
-        out = self.dec.verify(self.kv, [tree for tree, _ in proposals], cands)
+        out = self.ex.verify([p.tree for p in drafts.rows], [p.tokens for p in drafts.rows])
         t_verify = time.perf_counter() - t0
-        accepted, bonus = [None] * n, [0] * n
-        logits = out[C.LOGITS]
-        for b, req in enumerate(live):
-            if req is None:
-                continue
-            tree, cand = proposals[b]
-            try:
-                accepted[b], bonus[b] = req.sampler.accept(tree, cand, logits[b, : tree.size])
-            except Exception as e:  # this request's own: it ends, its row keeps nothing of this step
-                self._request_failed(req, e)
+        picks = [None if r is None else (r.sampler, drafts.rows[b].tree, drafts.rows[b].tokens)
+                 for b, r in enumerate(live)]
+        results: list[RowResult | None] = [None] * len(live)
+        for b, got in enumerate(self.ex.select(out, picks)):
+            if isinstance(got, BaseException):  # this request's own: it ends, its row keeps nothing
+                self._request_failed(live[b], got)
                 live[b] = None
-        counts = [0 if a is None else len(a) for a in accepted]
+            elif got is not None:
+                a, bonus = got
+                cand = drafts.rows[b].tokens
+                toks = [*cand[a[1:]].tolist(), int(bonus)] if len(a) > 1 else [int(bonus)]
+                results[b] = RowResult(a, int(bonus), toks)
+        counts = [0 if r is None else len(r.accepted) for r in results]
         m = max(max(counts), 1)
-        idx = np.array([[0] * m if a is None else a + [0] * (m - len(a)) for a in accepted], dtype=np.int64)  # (n, m)
-        self.kv.commit(self.dec.presents(out), idx, np.array(counts, dtype=np.int64))
-        self.proposer.advance(live, out, accepted, bonus, cands, sizes)
-        # costs and gains (the planner), statistics, emitted tokens
-        cold = self._switched("drafted" if drafted else "plain")
-        self.planner.costs.add_verify(n * width, t_verify, cold)
-        if drafted:
-            self.planner.costs.add_draft(n, t_draft, cold)
-        tot = self._count_step(drafted, t_verify, t_draft, calls)
+        idx = np.array([[0] * m if r is None else r.accepted + [0] * (m - len(r.accepted)) for r in results],
+                       dtype=np.int64)  # (n, m)
+        self.ex.commit(idx, np.array(counts, dtype=np.int64))
+        self.proposer.advance(live, out, results, drafts, plan.sizes)
+        width = drafts.width
+        return StepRecord(plan, drafts, results, [CallTime("verify", len(live), width, t_verify)])
+
+    def _emit_step(self, rec: StepRecord) -> list:
+        """Each row's statistics, gains (the policy's) and watchers, then its tokens emitted."""
+        plan, tot = rec.plan, self.totals
+        t_verify = rec.seconds("verify")
         events = []
-        watchers = self.dec.watchers()
-        for b, req in enumerate(live):
-            if req is None:
+        for b, req in enumerate(plan.live):
+            res = rec.results[b]
+            if req is None or res is None:
                 continue
-            tree, cand = proposals[b]
-            a = accepted[b]
-            st = req.stats
-            if sizes[b] > 1:
-                st.time_draft += t_draft
-                st.draft_calls += calls
-                for s_ in (st, tot):  # vLLM's spec-decode counters: drafts, draft tokens, accepted by position
-                    s_.draft_tokens += tree.size - 1
-                    s_.accepted_drafts += len(a) - 1
-                    if len(s_.accepted_per_pos) < len(a) - 1:
-                        s_.accepted_per_pos += [0] * (len(a) - 1 - len(s_.accepted_per_pos))
-                    for k in range(len(a) - 1):
-                        s_.accepted_per_pos[k] += 1
-                if self.planner.fast and len(a) == 1:  # a reused full-tree window, wholly rejected
+            prop = rec.drafts.rows[b]
+            if plan.sizes[b] > 1:
+                req.stats.time_draft += rec.drafts.seconds
+                req.stats.draft_calls += rec.drafts.calls
+                for st in (req.stats, tot):
+                    _count_drafts(st, prop.tree.size - 1, len(res.accepted) - 1)
+                if self.planner.fast and len(res.accepted) == 1:  # a reused full-tree window, wholly rejected
                     self.planner.end_fast()
-                if req.gains is not None and adaptive and not self.planner.fast:  # (only where a width is chosen)
+                if req.gains is not None and plan.adaptive and not self.planner.fast:  # (where a width is chosen)
                     # the setting's mean learns from every drafted step (new requests start from it
                     # at once, not after the first ones finish: a cold setting costs fewer probes)
-                    self.planner.learn(req.prior_key, req.gains.observe(tree, a))
+                    self.planner.learn(req.prior_key, req.gains.observe(prop.tree, res.accepted))
             else:
-                st.plain_steps += 1
-            ev = self._accepted(req, tree, cand, a, int(bonus[b]), t_verify, watchers)
+                req.stats.plain_steps += 1
+            if self.watchers:
+                self._watched(req, prop.tree, prop.tokens, res.accepted, res.bonus, self.watchers)
+            ev = self._moved(req, [len(res.accepted)], res.tokens, t_verify)
             if ev is not None:
                 events.append(ev)
-        host = time.perf_counter() - t_start - t_verify - t_draft
-        self.planner.costs.add_host(drafted, host, n, cold)
         return events
+
+    # ------------------------------------------------------------------ plain steps in a row
 
     def _plain_step(self, live: list, t_start: float, most: int = 1) -> list | None:
         """Plain steps, in which no row drafts: every row verifies its root (the autoregressive step), on
-        the call the decoder binds once (:meth:`graphs.runtime.Decoder.plain_steps`). It is the general
-        path with a one-node tree per row, whose tree arrays, acceptance walk and K/V moves are the
+        the executor's bound call (:meth:`graphs.executor.Executor.plain_run`). It is the general path
+        with a one-node tree per row, whose tree arrays, acceptance walk and K/V moves are the
         identity: the root's token is the row's sampled token, each row keeps its one new column.
 
-        Up to ``most`` such steps run in a row (:meth:`_plain_run`: for up to ``EngineConfig.plain_run_s``)
-        while nothing could happen between them: each computes what it computes alone (the same
-        call, inputs and sampler draws), and the Python around a step (admission, statistics,
-        events: ~0.1 ms, a tenth of a small int4 model's step) is paid once for the run; its tokens
-        come in one event per row, as a speculative step's do. Returns None (nothing done) where the
-        graphs take no bound step: the general path runs then."""
-        call, most = self.dec.plain_steps(self.kv, most)
-        if call is None:
+        Up to ``most`` such steps run in a row (:meth:`_plain_run`) while nothing could happen between
+        them: each computes what it computes alone (the same call, inputs and sampler draws), and the
+        Python around a step (admission, statistics, events) is paid once for the run; its tokens come
+        in one event per row, as a speculative step's do. Returns None (nothing done) where the
+        executor has no bound step: the general path runs then."""
+        run = self.ex.plain_run(most)
+        if run is None:
             return None
-        n = len(live)
-        roots = [0 if r is None else r.root for r in live]  # a prefilling row computes a column it never keeps
-        first = list(roots)
+        rec = PlainRecord(live, list(self.watchers))
+        said = self._plain_loop(run, rec, t_start)
+        # right after a drafted step or a prefill the first plain call is cold (graphs.adaptive.Costs):
+        # measured by the run's other steps, or not folded in where it ran alone
+        cold = self._switched("plain")
         counts = np.array([0 if r is None else 1 for r in live], dtype=np.int64)
-        lens = self.kv.lens[: self.kv.n]
-        tree = root_only()
+        self.ex.keep_new(counts * rec.steps)  # each decoding row keeps the column each step wrote
+        if cold and rec.steps > 1:
+            self.planner.costs.add_verify(len(live), (rec.verify - rec.first) / (rec.steps - 1))
+        else:
+            self.planner.costs.add_verify(len(live), rec.verify / rec.steps, cold)
+        self._count_step(False, rec.verify, 0.0, 0, rec.steps)
+        events = self._emit_plain(rec, said)
+        rec.host = (time.perf_counter() - t_start - rec.verify) / rec.steps
+        self.planner.costs.add_host(False, rec.host, len(live), cold and rec.steps == 1)
+        return events
+
+    def _plain_loop(self, run, rec: PlainRecord, t_start: float) -> list:
+        """The run's steps until one ends it (:meth:`_run_ends`); fills ``rec``. Returns the events of rows
+        with stop strings, said token by token (their text is matched each step)."""
+        live = rec.live
+        roots = [0 if r is None else r.root for r in live]  # a prefilling row computes a column it never keeps
         drafts = any(r is not None and r.draft is not None for r in live)  # drafter state to keep up to date
         each = drafts and self.proposer.every_plain_step  # (EAGLE's context rows; Medusa: a run's last state)
         adaptive = any(r is not None and r.speculation != "off" for r in live)
-        # rows whose stop strings are matched on their text: emitted token by token (a stop ends the run)
         by_token = [r is not None and bool(r.params.stop_strings) for r in live]
-        said = [[] for _ in range(n)]  # their events, merged into one at the end
-        watchers = list(self.dec.watchers())  # those at its start (a run is one step where there are any)
+        said = [[] for _ in live]  # their events, merged into one at the end
         # greedy rows without stop strings or drafter state to follow each step (the common case): each
-        # step's argmax goes straight into the next call's inputs (BoundCall.greedy), the tokens are read
-        # once a step (a prefilling row's column is computed and dropped: not chosen from, nor checked)
+        # step's argmax goes straight into the next call's inputs, the tokens are read once a step
         greedy = not each and not any(by_token) and all(r is not None and r.sampler.temperature == 0 for r in live)
         eos = set().union(*(r.eos for r in live if r is not None))  # any row's: a step's one set lookup
-        got = []  # the tokens of each step, (n,) each
-        steps, t_verify = 0, 0.0
-        end = t_start + self.config.plain_run_s
         deadline = min((r.deadline for r in (*live, *self._waiting) if r is not None and r.deadline is not None),
                        default=None)
         while True:
             t0 = time.perf_counter()
-            # the first step's inputs are made from the rows' lengths, each next one's moved on in place
-            out = call.step(roots, lens) if not steps else call.again()
+            out = run.step(roots) if not rec.steps else run.again()  # the next ones moved on in place
             t1 = time.perf_counter()
-            t_verify += t1 - t0
-            if not steps:
-                t_first = t1 - t0
+            rec.verify += t1 - t0
+            rec.first = rec.first if rec.steps else t1 - t0
             row = None
             if greedy:
                 with contextlib.suppress(NonFiniteLogitsError):  # (a row's: found by its sampler below)
-                    row = call.greedy().tolist()
+                    row = run.greedy().tolist()
                     ends = not eos.isdisjoint(row) and any(t in r.eos for t, r in zip(row, live))
-            if row is None:
-                # a row whose sampling fails ends alone (_request_failed) and the run with it
-                row, ends = self._plain_tokens(live, out[C.LOGITS], roots, tree, by_token, said)
-                call.ids[:, 0] = row
-            got.append(row)
-            steps += 1
-            # a row that ends, a request that arrives or is cancelled (here or in a caller's queue:
-            # interrupt), a deadline, a watcher, the time: the run ends after this step
-            stop = (ends or steps >= most or t1 >= end or self._incoming or self._cancels or self._interrupt
-                    or (deadline is not None and t1 >= deadline) or (not watchers and self.dec.watchers()))
+            if row is None:  # a row whose sampling fails ends alone (_request_failed), and the run with it
+                row, ends = self._plain_tokens(live, out, roots, by_token, said)
+                run.feed(row)
+            rec.tokens.append(row)
+            rec.steps += 1
+            stop = ends or self._run_ends(rec, run.steps, t1, t_start + self.config.plain_run_s, deadline)
             if each or (drafts and stop):
                 # the drafter state follows the step (Medusa's only a run's last, whose outputs these are;
                 # a run ended by an error keeps the state before it: a worse draft, never a wrong token)
-                cands = [np.array([x], dtype=np.int64) for x in roots]
-                self.proposer.advance(live, out, [None if r is None else [0] for r in live], row, cands, counts)
+                results = [None if r is None else RowResult([0], t, [t]) for r, t in zip(live, row)]
+                self.proposer.advance(live, out, results, Drafts(roots_of(roots)), [int(r is not None) for r in live])
             roots = row
             if stop:
                 self._interrupt = False
-                break
+                return said
             if adaptive:
                 self.planner.planned_plain()  # the next step is one the policy already decided
-        # right after a drafted step or a prefill the first plain call is cold (graphs.adaptive.Costs):
-        # measured by the run's other steps, or not folded in where it ran alone
-        cold = self._switched("plain")
-        self.kv.keep_new(counts * steps)  # each decoding row keeps the column each step wrote
-        toks = [[r[b] for r in got] for b in range(n)]
-        if cold and steps > 1:
-            self.planner.costs.add_verify(n, (t_verify - t_first) / (steps - 1))
-        else:
-            self.planner.costs.add_verify(n, t_verify / steps, cold)
-        self._count_step(False, t_verify, 0.0, 0, steps)
-        events = []
-        for b, req in enumerate(live):
-            if req is None or req.error is not None:  # (a failed row: its run's tokens are dropped)
-                continue
-            req.stats.plain_steps += steps
-            if watchers:
-                self._watched(req, tree, np.array(first[b : b + 1], dtype=np.int64), [0], toks[b][0], watchers)
-            ev = self._moved(req, [1] * steps, toks[b], t_verify, emit=not by_token[b])
-            if by_token[b] and said[b]:
-                ev = RequestEvent(req.id, [x for e in said[b] for x in e.token_ids], "".join(e.text for e in said[b]),
-                                  said[b][-1].finish_reason, said[b][-1].stats)
-            if ev is not None:
-                events.append(ev)
-        self.planner.costs.add_host(False, (time.perf_counter() - t_start - t_verify) / steps, n, cold and steps == 1)
-        return events
 
-    def _switched(self, kind: str) -> bool:
-        """A decode step of ``kind`` ("plain" / "drafted") ran: whether the call before it was of another
-        kind (or a prefill), which makes this one cold (graphs.adaptive.Costs)."""
-        cold, self._last_call = kind != self._last_call, kind
-        return cold
+    def _run_ends(self, rec: PlainRecord, most: int, now: float, end: float, deadline: float | None) -> bool:
+        """A plain run ends after this step: its steps, its time, a request that arrives or is cancelled
+        (here or in a caller's queue: interrupt), a deadline, a watcher that started during it."""
+        return bool(rec.steps >= most or now >= end or self._incoming or self._cancels or self._interrupt
+                    or (deadline is not None and now >= deadline) or (not rec.watchers and self.watchers))
 
-    def _plain_tokens(self, live: list, logits: np.ndarray, roots: list, tree, by_token: list, said: list):
-        """One plain step's tokens, each row's sampler choosing from ``logits`` (n, 1, V) as the general
-        path's one-node acceptance does (greedy: the argmax; sampled: the same random stream); rows
-        with stop strings grow their text (``said[b]``: their events). Returns (tokens, a row ended)."""
+    def _plain_tokens(self, live: list, out: dict, roots: list, by_token: list, said: list):
+        """One plain step's tokens, each row's sampler choosing as the general path's one-node
+        acceptance does (greedy: the argmax; sampled: the same random stream); rows with stop strings
+        grow their text (``said[b]``: their events). Returns (tokens, a row ended)."""
         row, ends = [0] * len(live), False
-        for b, req in enumerate(live):  # every row's token first
-            if req is not None:
-                try:
-                    row[b] = req.sampler.accept(tree, roots[b : b + 1], logits[b, :1])[1]
-                except Exception as e:  # this request's own: it ends alone, its row feeds a 0 until the run ends
-                    self._request_failed(req, e)
-                    ends = True
+        tree = root_only()
+        picks = [None if r is None else (r.sampler, tree, np.array(roots[b : b + 1], dtype=np.int64))
+                 for b, r in enumerate(live)]
+        for b, got in enumerate(self.ex.select(out, picks)):  # every row's token first
+            if isinstance(got, BaseException):  # this request's own: it ends alone, its row feeds a 0
+                self._request_failed(live[b], got)
+                ends = True
+            elif got is not None:
+                row[b] = got[1]
         for b, req in enumerate(live):
             if req is None or req.error is not None:
                 continue
@@ -648,6 +600,30 @@ class Engine:
                 ends = ends or row[b] in req.eos
         return row, ends
 
+    def _emit_plain(self, rec: PlainRecord, said: list) -> list:
+        """A plain run's statistics and watchers, its tokens in one event per row."""
+        events = []
+        for b, req in enumerate(rec.live):
+            if req is None or req.error is not None:  # (a failed row: its run's tokens are dropped)
+                continue
+            req.stats.plain_steps += rec.steps
+            toks = rec.row_tokens(b)
+            if rec.watchers:
+                self._watched(req, root_only(), np.array([req.root], dtype=np.int64), [0], toks[0], rec.watchers)
+            ev = self._moved(req, [1] * rec.steps, toks, rec.verify, emit=not req.params.stop_strings)
+            if said[b]:
+                ev = RequestEvent(req.id, [x for e in said[b] for x in e.token_ids], "".join(e.text for e in said[b]),
+                                  said[b][-1].finish_reason, said[b][-1].stats)
+            if ev is not None:
+                events.append(ev)
+        return events
+
+    def _switched(self, kind: str) -> bool:
+        """A decode step of ``kind`` ("plain" / "drafted") ran: whether the call before it was of another
+        kind (or a prefill), which makes this one cold (graphs.adaptive.Costs)."""
+        cold, self._last_call = kind != self._last_call, kind
+        return cold
+
     def _plain_run(self, live: list) -> int:
         """Plain steps one call of :meth:`_plain_step` may run: 1 where anything may happen between
         two steps that the engine's loop must see (a prefilling row, a request that could take a
@@ -655,7 +631,7 @@ class Engine:
         policy has already decided (:meth:`graphs.adaptive.Planner.plain_ahead`); else as many as
         every row has room for, at most PLAIN_RUN_MAX. The run also ends at an end token, an arriving
         or cancelled request, a deadline, after ``plain_run_s``."""
-        if self.config.plain_run_s <= 0 or None in live or self.dec.watchers():
+        if self.config.plain_run_s <= 0 or None in live or self.watchers:
             return 1
         if self._waiting and len(self._rows) < self.config.max_batch:
             return 1
@@ -674,17 +650,9 @@ class Engine:
         tot.draft_calls += calls
         return tot
 
-    def _accepted(self, req: Request, tree, cand, a: list, bonus: int, t_verify: float, watchers: list):
-        """Row ``req`` verified ``tree`` (tokens ``cand``) and accepted nodes ``a`` then ``bonus``: its
-        statistics, position and root move on, the watchers see it, its tokens are emitted."""
-        if watchers:
-            self._watched(req, tree, cand, a, bonus, watchers)
-        toks = [*cand[a[1:]].tolist(), bonus] if len(a) > 1 else [bonus]
-        return self._moved(req, [len(a)], toks, t_verify)
-
     def _watched(self, req: Request, tree, cand, a: list, bonus: int, watchers: list) -> None:
         rec = VerifyRecord(req.id, tree, cand, req.position, list(a), bonus, self.totals.steps)
-        for w in watchers:
+        for w in list(watchers):
             w.append(rec)
 
     def _moved(self, req: Request, accepted: list[int], toks: list[int], t_verify: float, emit: bool = True):
@@ -718,47 +686,10 @@ class Engine:
     def _emit_tokens(self, req: Request, toks: list[int]):
         if req.done:
             return None
-        dec = self.dec
-        room = self._limit(req) - len(req.tokens)
-        toks = toks[: max(room, 0)]
-        for i, t in enumerate(toks):
-            if t in req.eos:
-                toks, req.done = toks[: i + 1], "eos"
-                break
-        stops = req.params.stop_strings
-        if req.detok is not None and req.text_per_token:
-            # text grows token by token (tokenizers' DecodeStream: O(new tokens)); a stop string keeps
-            # the tokens up to the one that completes it
-            longest = max(map(len, stops), default=0)
-            for k, t in enumerate(toks):
-                start = max(0, len(req.text) - longest)
-                req.text += req.detok.step(dec.tokenizer, t) or ""  # None: a character still incomplete
-                cut = _find_stop(req.text, stops, start) if stops else None
-                if cut is not None:
-                    toks, req.done, req.text = toks[: k + 1], "stop", req.text[:cut]
-                    break
-        req.tokens.extend(toks)
-        if not req.done and len(req.tokens) >= self._limit(req):
-            req.done = "length"
-        if req.done and req.done != "stop" and req.detok is not None:
-            req.text = dec.decode(req.tokens)  # once at the end: a trailing partial character shows as U+FFFD
+        toks = emit.append_tokens(req, toks, self._limit(req), self.requests)
         if req.done:
             self._finish(req, req.done)
-        return self._event(req, toks)
-
-    def _event(self, req: Request, toks: list[int]):
-        # stream text that can no longer change: hold back the last characters that may begin a stop
-        # string until the request is done (DecodeStream already holds back partial characters)
-        stops = req.params.stop_strings
-        visible = req.text
-        if not req.done and stops:
-            visible = visible[: max(0, len(visible) - max(map(len, stops)) + 1)]
-        new_text = ""
-        if visible.startswith(req.streamed):  # (else decoding changed streamed text: nothing to add)
-            new_text, req.streamed = visible[len(req.streamed):], visible
-        if toks or new_text or req.done:
-            return RequestEvent(req.id, toks, new_text, req.done, req.stats if req.done else None)
-        return None
+        return emit.event(req, toks)
 
     def _request_failed(self, req: Request, error: BaseException) -> None:
         """Its own sampling, stop strings or text raised: this request alone ends, with finish_reason
@@ -790,23 +721,29 @@ class Engine:
         self._finished = False
         for req in [r for r in self._rows if r.done]:
             b = req.slot
-            self.kv.remove_row(b)
-            self.proposer.remove_row(b)
+            self.ex.remove_row(b)
             last = self._rows.pop()
             if last is not req:
                 self._rows[b] = last
                 last.slot = b
             req.slot = None
         if not self._rows:
-            if not self.keep_kv:
-                self.kv.shrink()
-            self.proposer.shrink()
+            self.ex.shrink(keep_base=self.keep_kv)
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> int | None:
-    """Where the earliest stop string begins in ``text[start:]`` (an index into ``text``), or None."""
-    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
-    return min(hits) if hits else None
+def roots_of(tokens: list[int]) -> list[Proposal]:
+    """A plain step's proposals: each row's token alone."""
+    return [Proposal(root_only(), np.array([x], dtype=np.int64)) for x in tokens]
+
+
+def _count_drafts(st: Stats, drafted: int, accepted: int) -> None:
+    """vLLM's spec-decode counters of one drafted row: draft tokens, accepted drafts, accepted by position."""
+    st.draft_tokens += drafted
+    st.accepted_drafts += accepted
+    if len(st.accepted_per_pos) < accepted:
+        st.accepted_per_pos += [0] * (accepted - len(st.accepted_per_pos))
+    for k in range(accepted):
+        st.accepted_per_pos[k] += 1
 
 
 __all__ = ["AdaptiveConfig", "Engine", "EngineConfig", "Request", "VerifyRecord"]

@@ -304,7 +304,7 @@ def test_no_adaptive_row_or_nothing_to_choose_returns_the_on_width():
     assert p.plan(np.array([SPEC_ON, SPEC_OFF]), np.array([3, 1]), [np.ones(3), None]).tolist() == [3, 1]
     # the adaptive row's tree is no larger than the ON row's: nothing to decide
     assert p.plan(np.array([SPEC_ON, SPEC_ADAPTIVE]), np.array([3, 3]), [np.ones(3)] * 2).tolist() == [3, 3]
-    assert p.history == [3, 3]
+    assert list(p.history) == [3, 3]
     assert p.plan(np.array([SPEC_OFF]), np.array([1]), [None]).tolist() == [1]
 
 
@@ -403,7 +403,7 @@ def test_probe_exactly_after_wait_plain_steps_with_reuse(rows):
     g = Counted([np.array([1.0, 1.0, 1.0])] * rows)
     widths = [int(p.plan(*_adaptive(rows, 3), g).max()) for _ in range(4)]
     assert widths == [1, 1, 1, 3] and g.calls == 2 and p.probing and p.plain_run == 0
-    assert p.history == widths
+    assert list(p.history) == widths
 
 
 def test_tree_ceiling_is_the_deepest_kept_path_plus_the_bonus():

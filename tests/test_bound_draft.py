@@ -7,6 +7,7 @@ import numpy as np
 import graphs
 from graphs import contract as C
 from graphs.adaptive import root_only
+from graphs.host import HostExecutor
 from graphs.proposers import Medusa
 from graphs.sessions import BoundArrays
 
@@ -21,27 +22,28 @@ def _rows(dec, medusa, hiddens, roots):
     rows = []
     for h, r in zip(hiddens, roots):
         state = medusa.new_state(req)
-        state["hidden"] = h
+        state.hidden = h
         rows.append(_Row(state, r))
     return rows
 
 
 def test_bound_heads_call_drafts_what_session_run_drafts(exported):
     dec = graphs.load(exported("medusa"), provider="cpu")
-    medusa = Medusa(dec)
+    executor = HostExecutor(dec.model, 4, 64, 16)
+    medusa = Medusa(executor)
     rng = np.random.default_rng(0)
     h = dec.draft_spec.input(C.HIDDEN).dims[2]
     hiddens = [rng.standard_normal(h).astype(np.float32) for _ in range(3)]
     for n_rows, sizes in ((1, [4]), (3, [4, 1, 3]), (2, [3, 3])):  # rows that draft vary: other shapes
         rows = _rows(dec, medusa, hiddens[:n_rows], [11, 12, 13][:n_rows])
         sizes = np.array(sizes, dtype=np.int64)
-        got, _, calls = medusa.propose(rows, sizes)
-        assert calls == 1
+        drafts = medusa.propose(rows, sizes)
+        assert drafts.calls == 1
         drafting = [b for b, s in enumerate(sizes) if s > 1]
-        k = max(r.draft["topk"] for r in rows)
+        k = max(r.draft.topk for r in rows)
         (ids,) = dec.draft.run([C.TOPK_IDS], {C.HIDDEN: np.stack([hiddens[b] for b in drafting])[:, None],
                                              C.TOPK_IN: np.array([k], dtype=np.int64)})
-        for b, (tree, cand) in enumerate(got):
+        for b, (tree, cand) in enumerate((p.tree, p.tokens) for p in drafts.rows):
             if sizes[b] == 1:
                 assert tree is root_only() and cand.tolist() == [rows[b].root]
                 continue
@@ -50,7 +52,7 @@ def test_bound_heads_call_drafts_what_session_run_drafts(exported):
             assert tree is cut and cand[0] == rows[b].root
             assert cand[1:].tolist() == ids[j, 0, heads, ranks].tolist()
     # one binding per (drafting rows, top-k): the shapes seen above, each made once
-    assert sorted(medusa._calls) == sorted({(1, k), (2, k)})
+    assert sorted(executor._heads) == sorted({(1, k), (2, k)})
 
 
 def test_bound_arrays_refill_in_place(exported):

@@ -52,7 +52,7 @@ def test_one_call_and_stepwise_agree_in_a_batch(exported, kind):
     one = graphs.load(out, provider="cpu", threads=1, eagle_draft="one_call", adaptive=False)
     step = graphs.load(out, provider="cpu", threads=1, eagle_draft="stepwise", adaptive=False)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]
-    bound = graphs.load(out, provider="cpu", threads=1, eagle_draft="one_call", io_binding=True)  # adaptive
+    bound = graphs.load(out, provider="cpu", threads=1, eagle_draft="one_call")  # adaptive
     a, b = one.generate(prompts, max_new_tokens=10), step.generate(prompts, max_new_tokens=10)
     c = bound.generate(prompts, max_new_tokens=10)
     assert [r.token_ids for r in a] == [r.token_ids for r in b] == [r.token_ids for r in c]

@@ -153,6 +153,7 @@ def _scripted(monkeypatch, ids: list[int], chunks=(1, 3, 2)):
     2, ... tokens (speculative-like chunks): the proposer drafts a chain of the next scripted tokens
     and the sampler accepts all of it, the next one as the bonus (public engine parts, patched)."""
     from graphs import proposers, results
+    from graphs.step import Drafts, Proposal
     from graphs.trees import Tree
 
     pointer: dict[int, list] = {}  # id(request) -> [request (kept alive), next index into ids]
@@ -168,15 +169,15 @@ def _scripted(monkeypatch, ids: list[int], chunks=(1, 3, 2)):
         out = []
         for r in rows:
             if r is None:
-                out.append((Tree.from_parents([-1]), np.array([0])))
+                out.append(Proposal(Tree.from_parents([-1]), np.array([0])))
                 continue
             i = pointer.setdefault(id(r), [r, 1])[1]
             chain = ids[i : i + n - 1]
             tree = Tree.from_parents(list(range(-1, len(chain))))
             planned[id(tree)] = i + len(chain)
             pointer[id(r)][1] = i + len(chain) + 1
-            out.append((tree, np.array([r.root, *chain])))
-        return out, 0.0, 0
+            out.append(Proposal(tree, np.array([r.root, *chain])))
+        return Drafts(out)
 
     def accept(self, tree, tokens, logits):
         j = planned.pop(id(tree))

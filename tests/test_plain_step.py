@@ -682,7 +682,7 @@ def test_adaptive_plain_steps_run_in_a_row_as_the_policy_decided_them(exports):
     pays) so that the engines decide alike."""
     import graphs
     from graphs.adaptive import AdaptiveConfig, Costs, Planner
-    from graphs.engine import Engine, EngineConfig
+    from graphs.engine import EngineConfig
 
     class FixedCosts(Costs):
         def __init__(self):
@@ -705,13 +705,13 @@ def test_adaptive_plain_steps_run_in_a_row_as_the_policy_decided_them(exports):
         # (drafting can never pay here, so the default would wait 64 steps for a probe: 8 keeps
         # probes, and the drafts after runs, inside these requests)
         planner = Planner(AdaptiveConfig(max_probe_every=8), costs=FixedCosts())
-        engine = Engine(d, EngineConfig(max_batch=2, plain_run_s=run_s), planner=planner)
+        engine = d.engine(EngineConfig(max_batch=2, plain_run_s=run_s), planner=planner)
         proposed = []  # every drafted step's candidates: drafted from the hidden state the runs left
         propose = engine.proposer.propose
 
         def recorded(rows, sizes, propose=propose, proposed=proposed):
             result = propose(rows, sizes)
-            proposed.append([cand.tolist() for _, cand in result[0]])
+            proposed.append([p.tokens.tolist() for p in result.rows])
             return result
 
         engine.proposer.propose = recorded

@@ -246,12 +246,15 @@ def test_batch_of_different_lengths(trained, kind, tree):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_io_binding_is_refused_loudly_and_decodes_on_the_host(trained, kind):
-    """The engine keeps K/V in host memory (one row per request); io_binding=True says so (a warning)
-    instead of pretending, and the tokens stay PyTorch's."""
+    """The io_binding flag is gone (K/V stays in host memory on the host executor): True is a one-line
+    error instead of a warning that pretended, False a deprecation; the tokens stay PyTorch's."""
+    from graphs.errors import InputError
+
     t = trained(kind)
-    with pytest.warns(UserWarning, match="host memory"):
-        bound = graphs.load(t.out_dir, provider="cpu", threads=1, io_binding=True)
-    assert not bound.io_binding
+    with pytest.raises(InputError, match="io_binding was removed"):
+        graphs.load(t.out_dir, provider="cpu", threads=1, io_binding=True)
+    with pytest.warns(DeprecationWarning, match="io_binding"):
+        bound = graphs.load(t.out_dir, provider="cpu", threads=1, io_binding=False)
     results = bound.generate(PROMPTS[:3], max_new_tokens=N_NEW)
     assert [r.token_ids for r in results] == t.refs[:3]
 
@@ -277,14 +280,14 @@ def test_eagle_tree_file(trained, tmp_path):
 
 def test_eagle3_draft_vocabulary_maps_to_target_ids(trained, monkeypatch):
     """EAGLE-3 drafts over 200 ids; the graph maps them through d2t to target ids (some >= 200)."""
-    from graphs.proposers import Eagle
+    from graphs.host import HostExecutor
 
     t = trained("eagle3")
     targets = set(t.draft_targets)
     assert max(targets) >= 200 and len(targets) == 200
     seen: list[np.ndarray] = []
     decoder = graphs.load(t.out_dir, provider="cpu", threads=1, eagle_draft="stepwise", adaptive=False)
-    run_draft = Eagle.run_draft
+    run_draft = HostExecutor.draft_step
 
     def spy(self, *args, **kwargs):
         out = run_draft(self, *args, **kwargs)
@@ -292,7 +295,7 @@ def test_eagle3_draft_vocabulary_maps_to_target_ids(trained, monkeypatch):
             seen.append(out["topk_ids"].ravel())
         return out
 
-    monkeypatch.setattr(Eagle, "run_draft", spy)
+    monkeypatch.setattr(HostExecutor, "draft_step", spy)
     accepted_drafts = []  # drafted tokens the base accepted: all but the last token of each step
     for p, ref in zip(PROMPTS, t.refs):
         events = list(decoder.stream(p, max_new_tokens=N_NEW))
