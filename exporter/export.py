@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                          "in spec-demo-tiny/ instead of the real model")
     ap.add_argument("--budget-s", type=float, default=DRAFTER_BUDGET_S,
                     help="with no model_dir: seconds for the drafter's distillation + training")
-    ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3 files) "
+    ap.add_argument("--drafter", help="a drafter trained elsewhere (ModelOpt, Medusa, EAGLE, EAGLE-3, DFlash files) "
                                       "(default: the drafter saved in model_dir, if any)")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="precision of the graphs")
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier export in out_dir")

@@ -41,7 +41,9 @@ class HFCase:
 
 
 def configured_aux_layers(model) -> tuple[int, ...]:
-    """The EAGLE-3 aux layer ids as configured (the model's drafter config), not as the tracer reads them."""
+    """The EAGLE-3 / DFlash aux layer ids as configured (the model's drafter config), not as the tracer reads them."""
+    if getattr(model, "spec_mode", None) == "dflash":
+        return tuple(model.spec_config.dflash_target_layer_ids)
     if getattr(model, "spec_mode", None) != "eagle":
         return ()
     cfg = model.spec_config

@@ -116,13 +116,17 @@ def model_dims(model, dtype: str) -> C.ModelDims:
 
 
 def aux_layer_ids(model) -> tuple[int, ...]:
-    if getattr(model, "spec_mode", None) == "eagle" and model.eagle_module.eagle3:
+    """The base layers whose outputs the base graph emits as ``aux_hidden_states`` (EAGLE-3, DFlash)."""
+    mode = getattr(model, "spec_mode", None)
+    if mode == "eagle" and model.eagle_module.eagle3:
         return tuple(model.spec_config.eagle_aux_hidden_state_layer_ids)
+    if mode == "dflash":
+        return tuple(model.dflash_module.target_layer_ids)
     return ()
 
 
 def draft_dims(model, dtype: str) -> C.ModelDims:
-    mod = model.eagle_module
+    mod = model.drafter  # an EAGLE or DFlash module: its layers' K/V dims
     base = model_dims(model, dtype)
     return C.ModelDims(
         num_layers=len(mod.layers),
@@ -146,6 +150,8 @@ def graph_specs(model, dtype: str) -> dict[str, C.GraphSpec]:
         mod = model.eagle_module
         vocab = mod.lm_head.out_features if mod.eagle3 else dims.vocab_size
         specs["draft"] = C.eagle_graph_spec(draft_dims(model, dtype), len(mod.layers), vocab, n_aux=n_aux)
+    elif mode == "dflash":
+        specs["draft"] = C.dflash_graph_spec(draft_dims(model, dtype), len(model.dflash_module.layers), n_aux)
     # device-side K/V writes for IO binding (graphs.device): one per cache layout
     specs["kv_update"] = C.kv_update_graph_spec(2 * dims.num_layers, dims.num_kv_heads, dims.head_dim, dtype,
                                                 "kv_update.onnx")
@@ -180,7 +186,8 @@ def describe_source(model, dtype: str) -> dict:
         # the graphs attend every unmasked column: exact only while a sequence fits the window
         "sliding_window": getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None,
         "dtype": dtype,
-        "parameters": sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("medusa", "eagle"))),
+        "parameters": sum(p.numel() for n, p in model.named_parameters()
+                          if not n.startswith(("medusa", "eagle", "dflash"))),
     }
 
 
@@ -197,6 +204,12 @@ def describe_drafter(model) -> tuple[dict | None, dict]:
         n = len(model.medusa_heads)
         return ({"kind": "medusa", "num_heads": n, "parameters": n_params, "config": cfg},
                 {"medusa_paths": default_medusa_paths(n)})
+    if mode == "dflash":
+        mod = model.dflash_module
+        return ({"kind": "dflash", "block_size": mod.block_size, "mask_token_id": mod.mask_token_id,
+                 "target_layer_ids": list(mod.target_layer_ids), "num_layers": len(mod.layers),
+                 "num_kv_heads": mod.num_kv_heads, "head_dim": mod.head_dim, "parameters": n_params, "config": cfg},
+                {"dflash": {"topk": 1, "total_tokens": mod.block_size}})  # the chain, until trees are measured
     mod = model.eagle_module
     entry = {
         "kind": "eagle",

@@ -84,6 +84,27 @@ class EagleGraph(nn.Module):
         return (out, logits, ids, scores, *flatten_kv(new))
 
 
+class DFlashGraph(nn.Module):
+    """aux_hidden, context_position_ids, input_ids, position_ids, attention_mask, *past, topk ->
+    logits (slots 1..S-1), topk_ids, topk_logprobs, *present (the new context rows' K/V)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.dflash_module = model.dflash_module
+        self.base = BaseParts(model)
+
+    def forward(self, aux, context_position_ids, input_ids, position_ids, mask, *rest):
+        *past, topk = rest
+        past_kv = pairs(past) if past else None
+        logits, new = self.dflash_module.step(self.base, aux, context_position_ids, input_ids, position_ids, mask,
+                                              past_kv)
+        ids, scores = _topk(logits, topk)
+        return (logits, ids, scores, *flatten_kv(new))
+
+
+_DRAFT_GRAPHS = {"medusa": MedusaGraph, "eagle": EagleGraph, "dflash": DFlashGraph}
+
+
 def graph_module(model, role: str) -> nn.Module:
     if is_tree_role(role):
         from exporter.eagle_tree import graph_for_role
@@ -91,7 +112,7 @@ def graph_module(model, role: str) -> nn.Module:
         return graph_for_role(model, role)
     if role == "base":
         return BaseGraph(model)
-    return MedusaGraph(model) if model.spec_mode == "medusa" else EagleGraph(model)
+    return _DRAFT_GRAPHS[model.spec_mode](model)
 
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -104,10 +125,15 @@ def example_inputs(spec: C.GraphSpec, sizes: dict[str, int], device="cpu") -> li
         shape = [sizes[d] if isinstance(d, str) else d for d in t.dims]
         if t.name == C.TOPK_IN:
             out.append(torch.tensor([min(2, sizes.get(C.TOPK, 2))], dtype=torch.int64))
-        elif t.name == C.ATTENTION_MASK:
+        elif t.name == C.ATTENTION_MASK and C.CONTEXT_POSITION_IDS not in spec.input_names:
             b, _, s, total = shape
             q = torch.arange(s)[:, None] + (total - s)
             out.append((torch.arange(total)[None, :] <= q).expand(b, 1, s, total).contiguous())
+        elif t.name == C.ATTENTION_MASK and C.CONTEXT_POSITION_IDS in spec.input_names:  # DFlash: all visible
+            out.append(torch.ones(shape, dtype=torch.bool))
+        elif t.name == C.CONTEXT_POSITION_IDS:
+            b, a = shape
+            out.append((torch.arange(a) + sizes[C.PAST]).expand(b, a).contiguous())
         elif t.name == C.ROOT_INDEX:  # each sequence's last context row
             out.append(torch.full(shape, sizes[C.SEQ] - 1, dtype=torch.int64))
         elif t.name == C.POSITION_IDS:
@@ -122,6 +148,9 @@ def example_inputs(spec: C.GraphSpec, sizes: dict[str, int], device="cpu") -> li
 
 def trace_sizes(spec: C.GraphSpec) -> dict[str, int]:
     # Distinct small sizes for every symbolic dim so that no two get unified by the tracer.
+    if C.CONTEXT_POSITION_IDS in spec.input_names:  # DFlash: A context rows, S block slots, P cached
+        a, s, p = 3, 4, 5
+        return {C.BATCH: 2, C.SEQ: s, C.PAST: p, C.TOTAL: p + a + s, C.TOPK: 2, C.AUX_SEQ: a}
     s0, s1 = (2, 3) if any(t.name == C.AUX_HIDDEN for t in spec.inputs) else (0, 0)
     seq = 5 if not s0 else s0 + s1
     return {C.BATCH: 2, C.SEQ: seq, C.PAST: 4, C.TOTAL: 4 + seq, C.TOPK: 2, C.AUX_SEQ: s0, C.DRAFT_SEQ: s1}
@@ -129,7 +158,7 @@ def trace_sizes(spec: C.GraphSpec) -> dict[str, int]:
 
 # Submodules whose own ``forward`` is never called (the wrappers call their children directly), by
 # graph role: without a scope of their own their children's nodes would read ``/layers.0/...``.
-_UNCALLED_PARENTS = {"base": ("model",), "draft": ("eagle_module", "base.model", "base")}
+_UNCALLED_PARENTS = {"base": ("model",), "draft": ("eagle_module", "dflash_module", "base.model", "base")}
 
 
 def _uncalled_parents(role: str) -> tuple[str, ...]:

@@ -132,6 +132,8 @@ def draft_cases(model, specs, seed: int = 0) -> list[tuple[str, list[torch.Tenso
     hidden = base_out[1]
     if model.spec_mode == "medusa":
         return [("heads_b2_tree", [hidden, topk])]
+    if model.spec_mode == "dflash":
+        return dflash_cases(model, base_spec, g)
 
     mod = model.eagle_module
     n_layers = len(mod.layers)
@@ -169,6 +171,47 @@ def draft_cases(model, specs, seed: int = 0) -> list[tuple[str, list[torch.Tenso
                        mask.contiguous(), past)
     cases.append(("tree_b2_past5", args_tree))
     return cases
+
+
+def dflash_cases(model, base_spec: C.GraphSpec, g: torch.Generator) -> list[tuple[str, list[torch.Tensor]]]:
+    """The DFlash draft graph at batch 2: a first call (no cache; sequence 1 has 2 context rows fewer,
+    masked) and a second over that cache (P = 5, sequence 1's last two cached columns holes), each with
+    A new context rows (the base's own target-layer features) and a block [anchor, mask x (b-1)]."""
+    dm = model.dflash_module
+    b, mask_id = dm.block_size, dm.mask_token_id
+    vocab = base_spec.output(C.LOGITS).dims[-1]
+    n = 7  # base positions whose features feed the two calls (5, then 2)
+    ids = torch.randint(0, vocab, (2, n), generator=g)
+    empty = flatten_kv(_empty_past(sum(1 for t in base_spec.inputs if t.name.endswith(".key")), 2,
+                                   base_spec.input(C.past_key(0)).dims[1], base_spec.input(C.past_key(0)).dims[3]))
+    with torch.no_grad():
+        aux = graph_module(model, "base")(ids, torch.arange(n).expand(2, n), tree_mask(list(range(-1, n - 1)))
+                                          .expand(2, 1, n, n), *empty)[2]  # (2, n, n_aux*H)
+    draft = graph_module(model, "draft")
+    topk = torch.tensor([4])
+
+    def block(anchor_pos: list[int]):
+        toks = torch.full((2, b), mask_id, dtype=torch.long)
+        toks[:, 0] = torch.randint(0, vocab, (2,), generator=g)
+        return toks, torch.tensor(anchor_pos)[:, None] + torch.arange(b)
+
+    kv, hd, layers = dm.num_kv_heads, dm.head_dim, len(dm.layers)
+    a = 5
+    toks, pos = block([a, a - 2])  # sequence 1 holds 3 context rows: its anchor sits at position 3
+    mask = torch.ones(2, 1, b, a + b, dtype=torch.bool)
+    mask[1, :, :, a - 2 : a] = False
+    first = [aux[:, :a], torch.arange(a).expand(2, a).contiguous(), toks, pos, mask,
+             *flatten_kv(_empty_past(layers, 2, kv, hd)), topk]
+    with torch.no_grad():
+        out = draft(*first)
+    past = list(out[3:])
+    a2 = 2
+    toks, pos = block([a + a2, a - 2 + a2])
+    ctx_pos = torch.stack([torch.arange(a, a + a2), torch.arange(a - 2, a - 2 + a2)])
+    mask = torch.ones(2, 1, b, a + a2 + b, dtype=torch.bool)
+    mask[1, :, :, a - 2 : a] = False  # sequence 1's cache holes
+    second = [aux[:, a : a + a2], ctx_pos, toks, pos, mask, *past, topk]
+    return [("context_b2_holes", first), ("block_b2_past5", second)]
 
 
 # ----------------------------------------------------------------------------- driver

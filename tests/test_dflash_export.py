@@ -1,0 +1,106 @@
+"""DFlash export: the base emits the target layers, the draft graph takes context rows + cache + block in one
+call; ONNX Runtime equals PyTorch at batch 2 with a past and holes (export's own check); the manifest."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import save_tiny_model
+from tiny import tiny_model
+
+from exporter import pipeline
+from exporter.speculative import convert
+from graphs import contract as C
+from graphs.errors import ArtifactError
+from graphs.manifest import MANIFEST, Manifest
+from graphs.schema import check_manifest
+
+CFG = {"dflash_block_size": 4, "dflash_mask_token_id": 250, "dflash_target_layer_ids": [0, 2],
+       "dflash_architecture_config": {"num_hidden_layers": 2}}
+QUIET = dict(log=lambda *a, **k: None)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def dflash_export(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"dflash-{request.param}")
+    torch.manual_seed(1)
+    model = convert(tiny_model(request.param, seed=0), [("dflash", dict(CFG))])
+    with torch.no_grad():  # away from the init, so a wrong weight cannot pass
+        for p in model.dflash_module.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    save_tiny_model(model, d / "model")
+    pipeline.export(d / "model", d / "out", **QUIET)
+    return model, d / "out"
+
+
+def test_export_validates_the_draft_graph_at_batch2_with_a_past(dflash_export):
+    _, out = dflash_export
+    m = Manifest.read(out)
+    assert m.validation["ok"] is True
+    rows = m.validation["max_abs"]
+    for case in ("context_b2_holes", "block_b2_past5"):
+        for name in ("logits", "topk_logprobs", "present.0.key", "present.1.value"):
+            assert rows[f"draft/{case}/{name}"] < 1e-4, (case, name)
+    assert m.drafter["kind"] == "dflash" and m.drafter["block_size"] == 4 and m.drafter["mask_token_id"] == 250
+    assert m.drafter["target_layer_ids"] == [0, 2] and m.tree == {"dflash": {"topk": 1, "total_tokens": 4}}
+    base, draft = m.graphs["base"], m.graphs["draft"]
+    assert base.output(C.AUX_HIDDEN).dims[-1] == 2 * 64
+    assert draft.input_names[:5] == [C.AUX_HIDDEN, C.CONTEXT_POSITION_IDS, C.INPUT_IDS, C.POSITION_IDS,
+                                     C.ATTENTION_MASK]
+    assert draft.output(C.LOGITS).dims == (C.BATCH, C.BLOCK_DRAFTS, 256)
+    assert "draft_kv_update" not in m.graphs
+
+
+def test_graph_drafts_a_block_over_its_own_cache_as_pytorch_does(dflash_export):
+    """Two calls through ONNX Runtime, the cache kept between them by the caller (as a runtime would),
+    against one PyTorch pass over the whole context (training's block function)."""
+    import onnxruntime as ort
+
+    from exporter.speculative.dflash import block_hidden
+
+    model, out = dflash_export
+    m = Manifest.read(out)
+    spec = m.graphs["draft"]
+    sess = ort.InferenceSession(str(out / spec.file), providers=["CPUExecutionProvider"])
+    dm = model.dflash_module
+    ids = torch.randint(3, 250, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, _, aux = model.base_outputs(ids)
+    b = dm.block_size
+    past = [np.zeros((1, dm.num_kv_heads, 0, dm.head_dim), np.float32)] * (2 * len(dm.layers))
+    got = None
+    for lo, hi in ((0, 5), (5, 8)):  # context rows 0..4, then 5..7; the anchor is token `hi`
+        block = np.array([[int(ids[0, hi])] + [dm.mask_token_id] * (b - 1)])
+        feed = {C.AUX_HIDDEN: aux[:, lo:hi].numpy(), C.CONTEXT_POSITION_IDS: np.arange(lo, hi)[None],
+                C.INPUT_IDS: block, C.POSITION_IDS: hi + np.arange(b)[None],
+                C.ATTENTION_MASK: np.ones((1, 1, b, hi + b), bool), C.TOPK_IN: np.array([2])}
+        feed |= {n: p for n, p in zip([t.name for t in spec.inputs if t.name.startswith("past_")], past)}
+        res = dict(zip(spec.output_names, sess.run(spec.output_names, feed)))
+        past = [np.concatenate([p, res[n]], axis=2) for p, n in
+                zip(past, [t.name for t in spec.outputs if t.name.startswith("present.")])]
+        got = res
+    with torch.no_grad():
+        hidden = block_hidden(dm, model, aux, ids, torch.tensor([[8]]), torch.tensor([[True]]))
+        want = model.lm_head(hidden[:, 1:]).numpy()
+    np.testing.assert_allclose(got[C.LOGITS], want, atol=1e-4, rtol=1e-4)
+
+
+def test_schema_refuses_a_bad_dflash_entry(dflash_export):
+    _, out = dflash_export
+    good = json.loads((out / MANIFEST).read_text())
+    check_manifest(good)
+    for key, value, fragment in (("mask_token_id", 256, "outside the vocabulary"),
+                                 ("target_layer_ids", [0, 9], "target_layer_ids"),
+                                 ("block_size", 1, "block_size"), ("num_layers", 3, "past K/V layers")):
+        bad = copy.deepcopy(good)
+        bad["drafter"][key] = value
+        with pytest.raises(ArtifactError, match=fragment):
+            check_manifest(bad)
+    bad = copy.deepcopy(good)
+    bad["graphs"]["base"]["outputs"] = [t for t in bad["graphs"]["base"]["outputs"] if t["name"] != C.AUX_HIDDEN]
+    with pytest.raises(ArtifactError, match="does not emit"):
+        check_manifest(bad)
