@@ -1,6 +1,7 @@
 """Optimize an export in place: tree-safe fusions, float16 for GPUs, int4/int8 weight-only graphs.
 
     python -m exporter.optimize out_dir [--target cpu|cuda] [--quantize none|int8|int4] [--no-fuse]
+    python -m exporter.optimize out_dir --measure-forms     # on the GPU: choose the CUDA attention form
 
 The stage between export and run (docs/DESIGN.md, "The stages"). Per traced graph (base, draft,
 and the one-call EAGLE tree graphs ``draft_tree.*``, whose unrolled drafter forwards get the draft
@@ -11,7 +12,10 @@ graph's passes):
                RMSNorm -> SimplifiedLayerNorm, residual Add + RMSNorm -> SkipSimplifiedLayerNorm
                (exporter.passes.*)
     quantize   MatMul weights -> ``MatMulNBits`` (4 or 8 bits, block 32; ORT's quantizer)
-    float16    --target cuda: ORT's float16 converter, norms and softmax kept float32
+    float16    --target cuda: ORT's float16 converter, norms and softmax kept float32; the base in
+               two attention forms (ONNX ``Attention`` with the tree mask as a float additive mask,
+               ``GroupQueryAttention`` with it as ``attention_bias``), the faster chosen by timing both
+               on the GPU (exporter.attention_forms)
 
 then checks every rewritten graph against the raw one on random non-causal tree masks, batch 2
 with holes in the past, a decode with a past and a prefill (exporter.passes.parity), records what
@@ -46,6 +50,10 @@ def main(argv=None) -> int:
     ap.add_argument("out_dir", help="an export directory (holds manifest.json); rewritten in place")
     add_arguments(ap)
     ap.add_argument("--no-validate", action="store_true", help="skip the raw-vs-optimized parity check (not advised)")
+    ap.add_argument("--measure-forms", action="store_true",
+                    help="on a CUDA machine, for an export already optimized with --target cuda: time its two "
+                         "attention forms and record the faster in manifest.json (optimize does this itself "
+                         "where it runs on the GPU)")
     ap.add_argument("--json", help="also write the summary as JSON to this file (default: not written)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_intermixed_args(argv)
@@ -55,7 +63,12 @@ def main(argv=None) -> int:
 
         if args.json:
             check_output(args.json, "--json", args.out_dir)
-        summary = optimize_export(args.out_dir, validate=not args.no_validate, **options_from_args(args))
+        if args.measure_forms:
+            from exporter.pipeline import measure_attention_forms
+
+            summary = measure_attention_forms(args.out_dir, provider="cuda")
+        else:
+            summary = optimize_export(args.out_dir, validate=not args.no_validate, **options_from_args(args))
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         return 0
@@ -74,7 +87,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--no-fuse", action="store_true", help="skip the attention and norm fusions")
     ap.add_argument("--no-kv-in-place", action="store_true",
                     help="keep the traced past+new K/V concatenation in every layer instead of writing the new "
-                         "rows into the cache buffer (default on --target cpu: in place)")
+                         "rows into the cache buffer (default: in place; the GroupQueryAttention graph of "
+                         "either target needs it)")
     ap.add_argument("--kv-layout", default="bhsd", choices=["bhsd", "bsh"],
                     help="the base's K/V buffers when written in place: bhsd (default; per-head contiguous, the "
                          "faster attention as the context grows) or bsh (genai's compact 3-D form: fewer nodes, "

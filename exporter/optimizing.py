@@ -11,7 +11,10 @@ drafter forwards get the draft graph's passes):
                RMSNorm -> SimplifiedLayerNorm, residual Add + RMSNorm -> SkipSimplifiedLayerNorm
                (exporter.passes.*)
     quantize   MatMul weights -> ``MatMulNBits`` (4 or 8 bits, block 32; ORT's quantizer)
-    float16    --target cuda: ORT's float16 converter, norms and softmax kept float32
+    float16    --target cuda: ORT's float16 converter, norms and softmax kept float32; the base in two
+               attention forms (ONNX ``Attention`` and ``base.gqa.onnx``'s ``GroupQueryAttention``, each
+               fed the tree mask as an additive bias), chosen between by timing on the GPU
+               (exporter.attention_forms)
 
 then every rewritten graph is checked against the raw one on random non-causal tree masks, batch 2
 with holes in the past, a decode with a past and a prefill (exporter.passes.parity), within
@@ -68,8 +71,9 @@ class OptimizeOptions:
     # one-call draft 1.0x float32 (int4) and 7x slower (int8), level 4 1.8x faster.
     draft_accuracy_level: int = 4
     # the base writes its new K/V into the caller's buffers (exporter.passes.kv_inplace) instead of
-    # concatenating the whole cache in every layer; None: on for the CPU (ORT's CPU TensorScatter
-    # writes in place), off for CUDA, where the engine keeps K/V on the host for now
+    # concatenating the whole cache in every layer; None: on for both targets (ORT's CPU TensorScatter
+    # writes in place; CUDA has the kernel since ONNX Runtime PR #27446, and the device path binds its
+    # buffers as OrtValues on the GPU). The GroupQueryAttention form (one_sequence_graph) needs it.
     kv_in_place: bool | None = None
     # the base's K/V buffers where it writes them in place (its fused layers, exporter.passes.kv_inplace):
     # "bhsd" (B, kv_heads, P, head_dim), which ONNX Attention's CPU kernel reads per head contiguously,
@@ -101,15 +105,12 @@ class OptimizeOptions:
             raise UserError(f"--block-size {self.block_size} must be a power of two >= 16 (32 advised)")
         if self.kv_layout not in C.KV_LAYOUTS:
             raise UserError(f"unknown --kv-layout {self.kv_layout!r}; accepted: {', '.join(C.KV_LAYOUTS)}")
-        if self.kv_in_place and self.target != "cpu":
-            raise UserError("--kv-in-place is built for --target cpu (the CUDA engine keeps K/V on the host); "
-                            "drop it")
         if not (self.fuse or self.quantize != "none" or self.quant_for("draft") != "none" or self.use_float16):
             raise UserError("nothing to do: --no-fuse without --quantize or float16; drop --no-fuse")
 
     @property
     def writes_kv_in_place(self) -> bool:
-        return self.target == "cpu" if self.kv_in_place is None else bool(self.kv_in_place)
+        return True if self.kv_in_place is None else bool(self.kv_in_place)
 
     @property
     def use_float16(self) -> bool:
@@ -373,7 +374,8 @@ def check_parity(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts
             continue
         bad = [r for r in rows if not r.ok]
         if role == "base":  # a row's logits whatever its call's row count: greedy speculative == autoregressive
-            report["rows"] = check_rows(tmp / specs[role].file, specs[role], manifest.source, opts, atol, log)
+            report["rows"] = check_rows(tmp / specs[role].file, specs[role], manifest.source, opts, atol, log,
+                                        provider=rows_provider(opts))
         worst = max((r for r in rows if r.output in (C.LOGITS,)), key=lambda r: r.max_abs)
         top1 = min((r.top1 for r in rows if r.top1 is not None), default=None)
         report["graphs"][role] = {"max_abs_logits": worst.max_abs, "min_top1": top1, "ok": not bad,
@@ -386,6 +388,17 @@ def check_parity(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts
             raise UserError(f"optimized {role} graph disagrees with the raw one: {r.output} in case {r.case} max abs "
                             f"error {r.max_abs:.3g} > {r.limit:.3g}; the export is untouched")
     return report
+
+
+def rows_provider(opts: OptimizeOptions) -> str:
+    """The provider the rows gates call the optimized base on: the target's where this machine has it
+    (the rows must be measured on the kernels that will compute them), else the CPU EP (its record
+    says which, and the gate says so)."""
+    import onnxruntime as ort
+
+    if opts.target != "cpu" and TARGETS[opts.target] in ort.get_available_providers():
+        return opts.target
+    return "cpu"
 
 
 def row_seeds(opts: OptimizeOptions) -> int:
@@ -408,31 +421,40 @@ def row_sizes(seed: int) -> tuple:
     return ROW_SIZES if seed < ROW_SEEDS else (max(ROW_SIZES),)
 
 
-def check_rows(path: Path, spec: C.GraphSpec, source: dict, opts: OptimizeOptions, limit: float, log) -> dict:
+def check_rows(path: Path, spec: C.GraphSpec, source: dict, opts: OptimizeOptions, limit: float, log,
+               provider: str = "cpu") -> dict:
     """The rows gate of the base (:func:`exporter.passes.parity.row_consistency` over
     :func:`row_seeds` chains): calls of 2+ rows must agree within ``limit`` (else refused); a one-row
     call that does not makes the runtime pad one token to two rows (``min_rows`` 2, recorded) where
     trees agree too (:func:`pads_one_row`). Returns the record (the measured bounds, the limit,
-    min_rows) written to the manifest."""
+    min_rows, the provider that ran it) written to the manifest.
+
+    ``provider``: where the calls run (:func:`rows_provider`: the target's EP where this machine has
+    it). On a device, calls of 2+ rows that differ are recorded (the recorded-bound contract), not
+    refused: CUDA kernels pick tiles by row count by design (MatMulNBits has an M = 1 and an M = 2..16
+    kernel, ONNX Runtime PR #29451), so bit-equal rows across call shapes are not to be expected."""
     from exporter.passes.parity import ROW_SIZES, row_consistency
     from graphs.sessions import make_session
 
-    session = make_session(path, "cpu", 1)
+    session = make_session(path, provider, 1)
     dims = (source.get("num_kv_heads"), source.get("head_dim"))
     runs = [row_consistency(path, spec, source["vocab_size"], seed=seed, kv_dims=dims, session=session,
-                            sizes=row_sizes(seed)) for seed in range(row_seeds(opts))]
+                            sizes=row_sizes(seed), provider=provider) for seed in range(row_seeds(opts))]
     single, multi = max(r["single"] for r in runs), max(r["multi"] for r in runs)
     tree = max(r.get("tree", 0.0) for r in runs)
     quantized = opts.quantize != "none"
     # tree: recorded, not gated -- a tree's ancestors sit at other columns than a chain's past, which
     # moves the attention's rounding; with int8 activations that can be a quantization step
     rec = {"single_max_abs": single, "multi_max_abs": multi, "tree_max_abs": tree, "limit": limit,
-           "sizes": list(ROW_SIZES), "chains": len(runs), "min_rows": 1}
+           "sizes": list(ROW_SIZES), "chains": len(runs), "min_rows": 1, "provider": provider}
     sizes = "/".join(map(str, rec["sizes"][1:]))
     log(f"  [base] rows      a row alone vs in calls of {sizes} rows: max |logits diff| {single:.1e}; "
         f"between calls of 2+ rows: {multi:.1e} (limit {limit:g}); a chain as a tree's path: {tree:.1e} "
-        f"(recorded; {len(runs)} chains, calls of every size on the first 8)")
-    if multi > limit:
+        f"(recorded; {len(runs)} chains, calls of every size on the first 8; {provider} EP)")
+    if opts.target != "cpu" and provider == "cpu":
+        log(f"  [base] rows      measured on the CPU EP: this machine has no {TARGETS[opts.target]}; optimizing "
+            f"on the {opts.target} machine runs this gate on its kernels")
+    if multi > limit and provider == "cpu":
         fix = ("quantize with --accuracy-level 0 (float32 compute)" if quantized and opts.level("base") != 0
                else "optimize with --no-fuse")
         if quantized and opts.level("base") == 4 and opts.block_size != 32:
@@ -547,7 +569,8 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
                                    vocab=source["vocab_size"], strict=False, cases=ONE_SEQUENCE_CASES,
                                    raw_session=s_raw))
         # the rows check's calls (chains after a past, their first M tokens, as a tree's path) on both graphs
-        s_mine, s_theirs = make_session(path, "cpu", 1), make_session(tmp / specs["base"].file, "cpu", 1)
+        device = rows_provider(opts)  # the rows checks on the target's kernels where this machine has them
+        s_mine, s_theirs = make_session(path, device, 1), make_session(tmp / specs["base"].file, device, 1)
         pairs = [(row_logits(path, specs["base"], source["vocab_size"], kv_dims=dims, seed=seed, session=s_mine,
                              sizes=row_sizes(seed)),
                   row_logits(tmp / specs["base"].file, specs["base"], source["vocab_size"], kv_dims=dims, seed=seed,
@@ -574,7 +597,7 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
     owns = [consistency(mine) for mine, _ in pairs]
     single, multi = max(o["single"] for o in owns), max(o["multi"] for o in owns)
     own_tree = max(o["tree"] for o in owns)
-    if multi > atol:
+    if multi > atol and device == "cpu":  # a device's kernels pick tiles by row count: recorded (check_rows)
         return _drop_one_sequence(path, base, f"a token's logits differ by {multi:.3g} between its calls of 2+ rows",
                                   log)
     theirs_rec = rows_record or {}
@@ -587,7 +610,7 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
     # standing for the gate
     cross = max(float(np.abs(mine[m] - theirs[m]).max()) for mine, theirs in pairs for m in mine
                 if m != "tree" and m >= min_rows)
-    if max(cross, cross_tree) > atol and not int8_activations(opts):
+    if max(cross, cross_tree) > atol and not int8_activations(opts) and device == "cpu":
         return _drop_one_sequence(path, base, f"a token's logits differ from the base's by "
                                               f"{max(cross, cross_tree):.3g} > {atol:g}", log)
     top1 = min((r.top1 for r in rows if r.top1 is not None), default=None)

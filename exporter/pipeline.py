@@ -313,6 +313,9 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
                                            rows_record=validation.get("rows"))
                 if one is not None:
                     validation["one_sequence"] = {k: v for k, v in one.items() if k != "file"}
+            if options.target == "cuda":
+                records["base"]["attention_forms"] = _attention_forms(tmp, manifest, specs, records, options,
+                                                                      out_dir, log)
             manifest.graphs = specs
             manifest.optimization = records
             manifest.opset = max([manifest.opset] + [r.get("opset") or 0 for r in records.values()])
@@ -342,6 +345,64 @@ def optimize_export(out_dir, *, target: str = "cpu", quantize: str = "none", pro
         budget = O.TUNE_BUDGET_S if tune_budget_s is None else tune_budget_s
         summary["tune"] = _retune(out_dir, options, manifest, budget, tune_prompts, tune_threads, log)
     return summary
+
+
+def _attention_forms(tmp: Path, manifest: Manifest, specs: dict, records: dict, options, out_dir: Path, log) -> dict:
+    """The ``--target cuda`` base's attention forms (:mod:`exporter.attention_forms`): measured and
+    chosen here where this machine has the target's provider, else the Attention form by default."""
+    from exporter import attention_forms as F
+    from exporter.optimizing import rows_provider
+
+    forms = F.forms_record(records["base"], specs["base"].file, out_hint=str(out_dir))
+    if "gqa" not in forms["candidates"]:
+        log("  [base] forms     one attention form (Attention): the GroupQueryAttention form was not built", flush=True)
+        return forms
+    provider = rows_provider(options)
+    if provider == "cpu":
+        log(f"  [base] forms     Attention and GroupQueryAttention built; Attention until measured on the GPU: "
+            f"{forms['measure']}", flush=True)
+        return forms
+    return F.choose(forms, F.measure(tmp, forms, specs["base"], manifest.source["vocab_size"], provider=provider,
+                                     log=log), log)
+
+
+def measure_attention_forms(out_dir, provider: str = "cuda", repeats: int | None = None, progress=print) -> dict:
+    """Time both attention forms of an export optimized with ``--target cuda`` on ``provider`` and record
+    the faster in its manifest (``optimization.base.attention_forms``); returns that record. The step
+    ``optimize --target cuda`` runs itself on a machine with the GPU; this is it for an export
+    optimized elsewhere (``python -m exporter.optimize OUT --measure-forms``)."""
+    import onnxruntime as ort
+
+    from exporter import attention_forms as F
+    from exporter.optimizing import TARGETS
+
+    log = progress or _quiet
+    out_dir = Path(out_dir).absolute()
+    first = _read_export(out_dir)
+    if not ((first.optimization or {}).get("base") or {}).get("attention_forms"):
+        raise UserError(f"{out_dir} has no attention forms to choose between; optimize a raw export with "
+                        f"--target cuda first")
+    if provider not in TARGETS:
+        raise UserError(f"unknown provider {provider!r}; accepted: {', '.join(TARGETS)}")
+    if TARGETS[provider] not in ort.get_available_providers():
+        raise UserError(f"this machine has no {TARGETS[provider]} (onnxruntime {ort.__version__} offers "
+                        f"{', '.join(ort.get_available_providers())}); measure on the GPU machine "
+                        f"(docs/gpu.md installs onnxruntime-gpu there)")
+    _check_updatable(out_dir)
+    writer = OutDir(out_dir, update=True)
+    with signals_as_interrupt():
+        writer.open()
+        try:
+            manifest = _read_export(out_dir)
+            writer.carry()
+            forms = manifest.optimization["base"]["attention_forms"]
+            measured = F.measure(out_dir, forms, manifest.graphs["base"], manifest.source["vocab_size"],
+                                 provider=provider, repeats=repeats or F.REPEATS, log=log)
+            F.choose(forms, measured, log)
+            writer.commit(manifest)
+        finally:
+            writer.close()
+    return forms
 
 
 def _retune(out_dir: Path, options, manifest: Manifest, budget_s: float, prompts, threads, log) -> dict:

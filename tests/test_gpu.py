@@ -94,3 +94,54 @@ def test_cuda_compare_passes_at_float16_tolerance(cuda_export, tiny_model_dir):
 
     report = compare_model(load_model(tiny_model_dir("eagle3")), cuda_export("eagle3"), provider="cuda")
     assert report.ok, report.table()
+
+
+# ----------------------------------------------------------------------------- the two attention forms on CUDA
+
+# per form, the calls it takes on the GPU: the Attention form every call, GroupQueryAttention one token per
+# row or one sequence (its input check refuses a batch of trees after a past on every provider)
+FORM_CASES = {
+    "attention": (("tree_b2_past7_holes", 2, 6, 7, False), ("decode_b3_past9_holes", 3, 1, 9, True),
+                  ("prefill_b2_tree", 2, 5, 0, False)),
+    "gqa": (("tree_b1_past7_holes", 1, 6, 7, True), ("decode_b3_past9_holes", 3, 1, 9, True)),
+}
+
+
+@pytest.mark.parametrize("form", ["attention", "gqa"])
+def test_cuda_float16_attention_forms_match_the_float32_trace(cuda_export, exported, form):
+    """Each float16 form on the CUDA EP against the raw float32 trace on the CPU EP: non-causal tree
+    masks after a past with holes (batch 2 for the Attention form), one token per row of a batch of 3
+    with holes, at compare's float16 CUDA tolerance; the argmax of every row the same."""
+    import numpy as np
+
+    from exporter.compare_report import TOLERANCES
+    from exporter.passes.parity import Case, random_feed, rewritten_feed
+    from graphs import contract as C
+    from graphs.manifest import Manifest
+    from graphs.sessions import InPlaceRun, make_session
+
+    out, raw = cuda_export("medusa"), exported("medusa")
+    m, m_raw = Manifest.read(out), Manifest.read(raw)
+    forms = m.optimization["base"]["attention_forms"]
+    assert forms["decided"] == "measured" and forms["measured"]["provider"] == "cuda"  # chosen on this GPU
+    tol = TOLERANCES[("float16", "cuda")]
+    ref = make_session(raw / m_raw.graphs["base"].file, "cpu")
+    gpu = InPlaceRun.caller(make_session(out / forms["candidates"][form]["file"], "cuda"), m.graphs["base"])
+    for i, (name, batch, seq, past, holes_all) in enumerate(FORM_CASES[form]):
+        feed = random_feed(m_raw.graphs["base"], Case(name, batch, seq, past, holes_all=holes_all), seed=i,
+                           vocab=m.source["vocab_size"])
+        want = ref.run([C.LOGITS], feed)[0].astype(np.float64)
+        new_feed, _ = rewritten_feed(feed, m.graphs["base"])
+        got = np.asarray(gpu(new_feed)[C.LOGITS], dtype=np.float64)  # (B, S, V): the new rows' logits
+        err = float(np.abs(got - want).max())
+        assert err <= tol.atol + tol.rtol * float(np.abs(want).max()), f"{form} {name}: max |logits diff| {err:.3g}"
+        assert (got.argmax(-1) == want.argmax(-1)).all(), f"{form} {name}: argmax differs"
+
+
+def test_cuda_rows_gate_ran_on_the_gpu(cuda_export):
+    """optimize --target cuda on a GPU machine measures row consistency on the CUDA EP (MatMulNBits and
+    the attention kernels pick tiles by row count there) and records which provider it ran on."""
+    from graphs.manifest import Manifest
+
+    rows = Manifest.read(cuda_export("medusa")).validation["optimize"]["rows"]
+    assert rows["provider"] == "cuda" and rows["contract"] in ("exact", "recorded bound")

@@ -490,7 +490,9 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
         drop, body, tables, bias = set(), [], None, None
         for att in attentions:
             q, pk, pv, mask = att.input
-            if set(attrs(att)) - {"scale"}:
+            # softmax_precision: float16's float32 softmax (exporter.passes.fp16). GQA has no such
+            # attribute: its softmax precision is its kernel's, which the parity gates measure
+            if set(attrs(att)) - {"scale", "softmax_precision"}:
                 raise _NoMatchError("attention attributes")
             rq = only(q, "RotaryEmbedding")
             sk, sv = only(pk, "TensorScatter"), only(pv, "TensorScatter")
@@ -534,6 +536,7 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
     except _NoMatchError:
         return None
     positions, half = inits[tables[0]].dims
+    table_type = inits[tables[0]].data_type
     # per row: the last column its call writes (GQA's seqlens_k); the call's columns: the longest
     # row's (the kernel wants its cos/sin tables and the bias that wide, not the buffer's capacity,
     # which may pass max_position_embeddings by the cache's headroom)
@@ -553,8 +556,10 @@ def group_query_graph(proto: onnx.ModelProto, num_layers: int, nq: int, nkv: int
         onnx.helper.make_node("Squeeze", ["gqa/columns"], ["gqa/columns0"]),
         onnx.helper.make_node("Cast", ["gqa/columns0"], ["gqa/total_sequence_length"], to=TensorProto.INT32),
         onnx.helper.make_node("Slice", [bias, "gqa/zero", "gqa/columns", "gqa/axis3"], ["gqa/bias"]),
+        # the tables' own dtype: float16 in a --target cuda graph (GQA wants them in the query's type)
         onnx.helper.make_node("Constant", [], ["gqa/table_margin"], value=onnx.helper.make_tensor(
-            "gqa/table_margin", TensorProto.FLOAT, [TABLE_MARGIN, half], np.zeros(TABLE_MARGIN * half, np.float32))),
+            "gqa/table_margin", table_type, [TABLE_MARGIN, half],
+            np.zeros(TABLE_MARGIN * half, onnx.helper.tensor_dtype_to_np_dtype(table_type)))),
         # two constants: folded into one table when ONNX Runtime loads the graph
         onnx.helper.make_node("Concat", [tables[0], "gqa/table_margin"], ["gqa/cos"], axis=0),
         onnx.helper.make_node("Concat", [tables[1], "gqa/table_margin"], ["gqa/sin"], axis=0),
