@@ -203,3 +203,24 @@ def test_training_on_the_cache_lowers_the_loss_and_reports_block_acceptance(tmp_
     assert len(acc["per_position"]) == 3 and acc["anchors"] > 0
     assert report["training"]["final_loss"] is not None
     assert acc["tau_chain"] > 1.5, acc  # a repeated pattern: the trained block drafts it
+
+
+def test_train_drafter_sample_trains_a_dflash_drafter_for_a_base(tmp_path, capsys):
+    """samples/train_drafter.py --mode dflash --base DIR: distilled by our engine, trained, saved, restorable;
+    without --base one line."""
+    from conftest import save_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from samples import train_drafter
+
+    base = save_tiny_model(tiny_model(num_hidden_layers=6), tmp_path / "base")
+    with pytest.raises(SystemExit):
+        train_drafter.main(["--out", str(tmp_path / "x"), "--mode", "dflash", "--tiny"])
+    assert "--base" in capsys.readouterr().err
+    out = train_drafter.main(["--out", str(tmp_path / "d"), "--mode", "dflash", "--tiny", "--base", str(base),
+                              "--distill-new-tokens", "24", "--budget-s", "120"])
+    enable_huggingface_checkpointing()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.spec_mode == "dflash" and model.spec_config.dflash_target_layer_ids == [1, 3]
+    report = (out / "training_report.json").read_text()
+    assert '"tau_chain"' in report
