@@ -183,13 +183,18 @@ def genai_step(model: Path, work: Path, max_new: int) -> dict:
     try:
         import onnxruntime_genai as og
     except ImportError:
-        return {"skipped": "onnxruntime-genai-cuda is not installed (samples/gpu_wheels.sh GENAI=1 carries it)"}
+        return {"skipped": "onnxruntime-genai-cuda is not installed (carry the part samples/gpu_wheels.sh made)"}
     if (model / "manifest.json").exists():
         return {"skipped": "given a raw export, not a model dir: genai builds from the HF model"}
+    from exporter.benchmark.systems import plain_base
+
+    plain, why = plain_base(model, work, print)  # the base alone: our model dirs also carry the drafter
+    if plain is None:
+        raise RuntimeError(why)
     built = work / "genai"
     shutil.rmtree(built, ignore_errors=True)
-    run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", model, "-o", built, "-p", "fp16",
-         "-e", "cuda"], timeout=900)
+    run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", plain, "-o", built, "-p", "fp16",
+         "-e", "cuda", "-c", work / "genai-hf-cache"], timeout=900)
     gm = og.Model(str(built))
     tok = og.Tokenizer(gm)
     from exporter.prompts import TUNE_PROMPTS

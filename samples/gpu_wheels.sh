@@ -2,7 +2,7 @@
 # Prepare the wheels the GPU check carries to a machine that reaches no package index (docs/gpu.md).
 #
 #   samples/gpu_wheels.sh [DIR]          # default DIR: .gpu-wheels (ignored by git; never commit wheels)
-#   GENAI=1 samples/gpu_wheels.sh        # also onnxruntime-genai-cuda, for the check's genai row
+#   GENAI=0 samples/gpu_wheels.sh        # without onnxruntime-genai-cuda (the check's genai row; 17 MB, one part)
 #
 # Downloads the CPython 3.12 wheel of onnxruntime-gpu (a CUDA 13 build, ~255 MB; ../shared/GPU.md)
 # and splits it into parts small enough to travel one per device call beside the repository (a call
@@ -25,8 +25,8 @@ fetch() {  # fetch NAME==VERSION: the cp312 manylinux x86_64 wheel, no dependenc
 }
 
 fetch "onnxruntime-gpu==$ORT_VERSION"
-if [ "${GENAI:-0}" = 1 ]; then
-    fetch "onnxruntime-genai-cuda" || echo "onnxruntime-genai-cuda: no cp312 wheel found; the check skips genai"
+if [ "${GENAI:-1}" = 1 ]; then  # 0.18: the version exporter.bench's CPU peer is (it needs onnxruntime-gpu >= 1.31.0)
+    fetch "onnxruntime-genai-cuda==${GENAI_VERSION:-0.18.0}" || echo "onnxruntime-genai-cuda: no cp312 wheel; the check skips genai"
 fi
 
 for whl in "$DIR"/download/*.whl; do
