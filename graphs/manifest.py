@@ -67,6 +67,15 @@ class Manifest:
     def one_sequence_file(self) -> str | None:
         return self.one_sequence["file"] if self.one_sequence else None
 
+    @property
+    def attention_form(self) -> str | None:
+        """Of a base optimized with ``--target cuda``: the attention form the device measured faster
+        (``"attention"``: the base for every call; ``"gqa"``: :attr:`one_sequence_file` for the calls
+        it takes, the base for batches of trees), or the default where none measured yet
+        (``optimization.base.attention_forms``); None for other exports."""
+        forms = (self.optimization.get("base") or {}).get("attention_forms")
+        return forms.get("chosen") if isinstance(forms, dict) else None
+
     def to_json(self) -> dict:
         return {
             "format_version": self.format_version,

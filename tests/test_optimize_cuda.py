@@ -69,6 +69,7 @@ def test_cuda_target_builds_both_attention_forms(cuda_optimized, float16):
     assert set(forms["candidates"]) == {"attention", "gqa"}
     # no CUDA here: the default, and the line that says how the GPU chooses
     assert forms["chosen"] == "attention" and forms["decided"] == "default" and "--measure-forms" in forms["measure"]
+    assert m.attention_form == "attention"  # what the runtime reads
     assert _ops(out / forms["candidates"]["attention"]["file"]).get("Attention") == layers
     gqa = onnx.load(str(out / forms["candidates"]["gqa"]["file"]), load_external_data=False)
     nodes = [n for n in gqa.graph.node if n.op_type == "GroupQueryAttention"]
@@ -119,6 +120,7 @@ def test_measuring_the_forms_records_the_faster(cuda_optimized, tmp_path):
     m = Manifest.read(out)  # the schema holds (every candidate file listed, the choice among them)
     forms = m.optimization["base"]["attention_forms"]
     assert forms == rec and forms["decided"] == "measured" and forms["measured"]["provider"] == "cpu"
+    assert m.attention_form == forms["chosen"] and m.one_sequence_file == forms["candidates"]["gqa"]["file"]
     calls = forms["measured"]["calls"]
     assert set(calls) == {name for name, *_ in F.measured_calls(forms["candidates"]["gqa"]["max_columns"])}
     totals = forms["measured"]["total_ms"]
