@@ -219,3 +219,34 @@ def test_medusa_loss_on_target_rows_equals_the_full_loss():
     labels[1, 9:] = -100  # padding
     full = medusa_loss(medusa_logits(model.medusa_heads, hidden), labels, 0.8)
     torch.testing.assert_close(medusa_rows_loss(model.medusa_heads, hidden, labels, 0.8), full)
+
+
+def test_medusa_loss_over_a_vocabulary_subset():
+    """Medusa's loss vocabulary: the whole vocabulary gives the full loss; a subset is the softmax over
+    those tokens (computed longhand), rows whose target is outside drop out, and only those tokens'
+    projection rows get a gradient."""
+    import torch.nn.functional as F
+
+    from exporter.speculative import convert
+    from exporter.speculative.medusa import medusa_rows_loss
+
+    model = convert(tiny_model(seed=0), [("medusa", {"medusa_num_heads": 2})])
+    heads, v = model.medusa_heads, model.config.vocab_size
+    hidden = torch.randn(2, 12, model.config.hidden_size)
+    labels = torch.randint(3, 40, (2, 12))
+    labels[:, :4] = -100
+    full = medusa_rows_loss(heads, hidden, labels, 0.8)
+    torch.testing.assert_close(medusa_rows_loss(heads, hidden, labels, 0.8, torch.arange(v)), full)
+
+    vocab = torch.arange(0, 40, 2)  # even tokens only: odd targets drop out
+    expected = torch.zeros(())
+    for k, head in enumerate(heads):
+        target = labels[:, k + 2:]
+        rows = (target != -100) & (target % 2 == 0)
+        logits = head(hidden[:, : 12 - k - 2][rows])[:, vocab]  # the full head, then the subset's columns
+        expected = expected + 0.8**k * F.cross_entropy(logits, target[rows] // 2)
+    loss = medusa_rows_loss(heads, hidden, labels, 0.8, vocab)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    grad = heads[0].lm_head.weight.grad
+    assert grad[vocab].abs().sum() > 0 and grad[1::2].abs().sum() == 0

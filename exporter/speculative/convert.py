@@ -55,10 +55,12 @@ class SpeculativeModel:
             logits, hidden, aux_h, _ = base_forward(self, input_ids, position_ids, mask, None, aux)
         return logits, hidden, aux_h
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, base_features=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, base_features=None, loss_vocab=None,
+                **kwargs):
         """Base logits; given ``labels``, the drafter's loss too. ``base_features``: what the drafter
         reads, from a cache of the frozen base (:mod:`exporter.speculative.training`): the post-norm
-        hidden (B, L, H), or EAGLE-3's / DFlash's layers (B, L, n_aux*H); then the base does not run."""
+        hidden (B, L, H), or EAGLE-3's / DFlash's layers (B, L, n_aux*H); then the base does not run.
+        ``loss_vocab``: Medusa's loss over those token ids only (:func:`medusa_rows_loss`)."""
         if labels is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         if base_features is not None and self.spec_mode == "dflash":
@@ -75,7 +77,8 @@ class SpeculativeModel:
             valid = valid & attention_mask.bool()
         if self.spec_mode == "medusa":
             masked = labels.masked_fill(~valid, -100)
-            loss = medusa_rows_loss(self.medusa_heads, hidden, masked, self.spec_config.medusa_loss_decay)
+            loss = medusa_rows_loss(self.medusa_heads, hidden, masked, self.spec_config.medusa_loss_decay,
+                                    loss_vocab)
         elif self.spec_mode == "dflash":
             loss = dflash_loss(self.dflash_module, self.spec_config, self, (logits, aux), input_ids, valid)
         else:

@@ -35,10 +35,12 @@ class MedusaHead(nn.Module):
         self.medusa_layers = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_layers))
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
 
-    def forward(self, hidden):
+    def forward(self, hidden, vocab: torch.Tensor | None = None):
+        """Logits over the vocabulary, or over the token ids ``vocab`` only (training: a subset's rows
+        of the projection, the same function of those tokens)."""
         for block in self.medusa_layers:
             hidden = block(hidden)
-        return self.lm_head(hidden)
+        return self.lm_head(hidden) if vocab is None else F.linear(hidden, self.lm_head.weight[vocab])
 
 
 def build_medusa_heads(cfg: MedusaConfig, lm_head: nn.Linear) -> nn.ModuleList:
@@ -74,20 +76,31 @@ def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, decay: float) -> tor
     return total
 
 
-def medusa_rows_loss(heads: nn.ModuleList, hidden: torch.Tensor, labels: torch.Tensor, decay: float) -> torch.Tensor:
+def medusa_rows_loss(heads: nn.ModuleList, hidden: torch.Tensor, labels: torch.Tensor, decay: float,
+                     vocab: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`medusa_loss` of ``medusa_logits(heads, hidden)``, with each head run only on the rows whose
     target (k + 2 ahead) is set: a head's vocabulary projection is most of its cost, and on chat data
-    most rows are prompt (measured on SmolLM2: 22 s a step at batch 16 with every row)."""
+    most rows are prompt (measured on SmolLM2: 22 s a step at batch 16 with every row).
+
+    ``vocab`` (sorted token ids): the softmax runs over those tokens only and rows whose target is not
+    among them drop out; the vocabulary projection is the rest of the cost (on SmolLM2, 49,152 tokens
+    against the ~8k its chat answers use)."""
     total = hidden.new_zeros((), dtype=torch.float32)
     seq = labels.shape[1]
+    if vocab is not None:  # token id -> its index in vocab, -1 outside it
+        index = torch.full((int(vocab.max()) + 1,), -1, dtype=torch.long, device=labels.device)
+        index[vocab] = torch.arange(len(vocab), device=labels.device)
     for k, head in enumerate(heads):
         shift = k + 2
         if seq <= shift:
             break
         target = labels[:, shift:]  # (B, S-shift)
         ok = target != -100
+        if vocab is not None:
+            inside = torch.where(ok & (target <= len(index) - 1), index[target.clamp(0, len(index) - 1)], -1)
+            ok, target = inside >= 0, inside
         if ok.any():
-            logits = head(hidden[:, : seq - shift][ok])  # (rows, V)
+            logits = head(hidden[:, : seq - shift][ok], vocab)  # (rows, V or len(vocab))
             total = total + decay**k * F.cross_entropy(logits.float(), target[ok])
     return total
 

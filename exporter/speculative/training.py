@@ -67,7 +67,9 @@ class TrainingConfig:
     batch_size: int = 8
     learning_rate: float = 2e-3
     draft_vocab_size: int | None = 8192
-    """EAGLE-3: the drafter's own head covers the base's most frequent answer tokens (d2t maps back)."""
+    """EAGLE-3: the drafter's own head covers the base's most frequent answer tokens (d2t maps back).
+    Medusa: the heads' training loss runs over those tokens only; the exported heads keep the whole
+    vocabulary (the projection over it is most of a training step's cost on a CPU)."""
     heldout_fraction: float = 0.1
     """Examples kept out of training, whose acceptance the report gives by category."""
     depth: int = 3
@@ -303,7 +305,11 @@ class CachedFeatures(torch.utils.data.Dataset):
 
 
 class FeatureCollator:
-    """Right-pads rows into a batch: the features go to the converted model as ``base_features``."""
+    """Right-pads rows into a batch: the features go to the converted model as ``base_features``
+    (and ``loss_vocab``, where set, as Medusa's loss vocabulary)."""
+
+    def __init__(self, loss_vocab: torch.Tensor | None = None):
+        self.loss_vocab = loss_vocab
 
     def __call__(self, rows) -> dict:
         width = max(len(r["input_ids"]) for r in rows)
@@ -320,39 +326,54 @@ class FeatureCollator:
             batch["attention_mask"][i, :n] = 1
             batch["labels"][i, :n] = torch.tensor(r["labels"])
             batch["base_features"][i, :n] = r["features"].float()
+        if self.loss_vocab is not None:
+            batch["loss_vocab"] = self.loss_vocab
         return batch
 
 
 # ---------------------------------------------------------------------------- the draft vocabulary
 
 
-def set_draft_vocab(model, examples: list[Example]) -> int:
+def frequent_answer_tokens(examples: list[Example], n: int, vocab: int) -> tuple[torch.Tensor, float]:
+    """(the ``n`` most frequent answer tokens, then ids in order, sorted; the share of answer tokens
+    they cover)."""
+    counts = Counter(t for e in examples for t in e.answer)
+    top = [t for t, _ in counts.most_common(n)]
+    rest = [t for t in range(vocab) if t not in set(top)][: n - len(top)]
+    total = sum(counts.values())
+    return torch.tensor(sorted(top + rest), dtype=torch.long), (sum(counts[t] for t in top) / total if total else 1.0)
+
+
+def set_draft_vocab(model, examples: list[Example]) -> float:
     """EAGLE-3: the drafter's head covers the most frequent answer tokens (then ids in order).
 
     ``d2t[d] = target - d`` (the SafeAILab/ModelOpt convention); the head's rows restart from the
     base's lm_head rows of those tokens. Returns the share of answer tokens the vocabulary covers."""
     em = model.eagle_module
     n = em.lm_head.out_features
-    vocab = model.get_output_embeddings().weight.shape[0]
-    counts = Counter(t for e in examples for t in e.answer)
-    top = [t for t, _ in counts.most_common(n)]
-    rest = [t for t in range(vocab) if t not in set(top)][: n - len(top)]
-    ids = torch.tensor(sorted(top + rest), dtype=torch.long)  # (n,)
+    ids, coverage = frequent_answer_tokens(examples, n, model.get_output_embeddings().weight.shape[0])
     with torch.no_grad():
         em.d2t.copy_(ids - torch.arange(n))
         em.lm_head.weight.copy_(model.get_output_embeddings().weight[ids])
-    total = sum(counts.values())
-    return sum(counts[t] for t in top) / total if total else 1.0
+    return coverage
+
+
+def loss_vocab(model, examples: list[Example], cfg: TrainingConfig) -> tuple[torch.Tensor | None, float | None]:
+    """Medusa: the tokens its training loss runs over (``cfg.draft_vocab_size``), and their coverage."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if cfg.mode != "medusa" or not cfg.draft_vocab_size or cfg.draft_vocab_size >= vocab:
+        return None, None
+    return frequent_answer_tokens(examples, cfg.draft_vocab_size, vocab)
 
 
 # ---------------------------------------------------------------------------- training
 
 
-def time_one_step(model, train: FeatureCache, cfg: TrainingConfig) -> float:
+def time_one_step(model, train: FeatureCache, cfg: TrainingConfig, collator: FeatureCollator) -> float:
     """Seconds of one training step (forward + backward on a random batch), measured."""
     g = torch.Generator().manual_seed(cfg.seed)
     rows = torch.randperm(len(train.examples), generator=g)[: cfg.batch_size].tolist()
-    batch = FeatureCollator()([CachedFeatures(train)[i] for i in rows])
+    batch = collator([CachedFeatures(train)[i] for i in rows])
     model.train()
     t0 = time.perf_counter()
     model(**batch).loss.backward()
@@ -362,14 +383,16 @@ def time_one_step(model, train: FeatureCache, cfg: TrainingConfig) -> float:
 
 
 def train_drafter(model, train: FeatureCache, cfg: TrainingConfig, work_dir, deadline: float | None = None,
-                  log: Callable[[str], None] = print) -> dict:
-    """Train the converted ``model``'s drafter on ``train`` with a HF ``Trainer`` (the base stays frozen)."""
+                  log: Callable[[str], None] = print, vocab: torch.Tensor | None = None) -> dict:
+    """Train the converted ``model``'s drafter on ``train`` with a HF ``Trainer`` (the base stays frozen);
+    ``vocab``: Medusa's loss vocabulary (:func:`loss_vocab`)."""
+    collator = FeatureCollator(vocab)
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
     steps = max(1, math.ceil(cfg.epochs * len(train.examples) / cfg.batch_size))
     if deadline is not None:  # the schedule fits the time left, so its learning rate decays to the end
-        per_step = time_one_step(model, train, cfg)
+        per_step = time_one_step(model, train, cfg, collator)
         fit = int(0.9 * (deadline - time.perf_counter()) / per_step)
         if fit < steps:
             log(f"train: {steps} steps ({cfg.epochs:g} epochs) would take {steps * per_step:.0f} s; "
@@ -398,7 +421,7 @@ def train_drafter(model, train: FeatureCache, cfg: TrainingConfig, work_dir, dea
         remove_unused_columns=False,
     )
     trainer = Trainer(model=model, args=args, train_dataset=CachedFeatures(train),
-                      data_collator=FeatureCollator(), callbacks=[Callback()])
+                      data_collator=collator, callbacks=[Callback()])
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     prog(steps if state_out["stopped_at"] is None else state_out["stopped_at"],
@@ -522,6 +545,8 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
         log(f"dflash: mask token {drafter_cfg['dflash_mask_token_id']} (held by no distilled example)")
     convert(model, [(kind, drafter_cfg)])
     coverage = set_draft_vocab(model, examples) if cfg.mode == "eagle3" else None
+    vocab, vocab_coverage = loss_vocab(model, examples, cfg)
+    coverage = coverage if vocab is None else vocab_coverage
     t1 = time.perf_counter()
     # features may take up to FEATURES_SHARE of the budget past distillation; training keeps the rest
     left = budget.left()
@@ -531,9 +556,10 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
     train, held = cache.split(cfg.heldout_fraction, cfg.seed)
     log(f"drafter: {cfg.mode}, {sum(p.numel() for p in model.drafter.parameters()) / 1e6:.1f}M params; "
         f"{len(train.examples)} training / {len(held.examples)} held-out examples"
-        + (f"; draft vocabulary covers {coverage:.1%} of answer tokens" if coverage is not None else ""))
+        + (f"; {'draft' if vocab is None else 'the loss'} vocabulary covers {coverage:.1%} of answer tokens"
+           if coverage is not None else ""))
     t2 = time.perf_counter()
-    trained = train_drafter(model, train, cfg, work_dir, budget.deadline(), log)
+    trained = train_drafter(model, train, cfg, work_dir, budget.deadline(), log, vocab)
     if trained["stopped_at"] is not None and trained["stopped_at"] < trained["steps"] // 4:
         log(f"WARNING: the drafter trained {trained['stopped_at']} of {trained['steps']} steps within the budget: "
             f"it will accept little. Train again with a larger budget (the distilled answers are reused)")
