@@ -237,9 +237,29 @@ def run_case(session, spec: C.GraphSpec, inputs: list[torch.Tensor]) -> list[np.
         return session.run(spec.output_names, feed)
     from graphs.kv import as_inplace_feed
 
-    feed, cut = as_inplace_feed(feed, spec)
+    feed, cut = (as_inplace_dflash_feed if C.CONTEXT_POSITION_IDS in spec.input_names else as_inplace_feed)(feed, spec)
     out = cut(dict(zip(spec.output_names, session.run(spec.output_names, feed))))
     return [out[n] for n in spec.output_names]
+
+
+def as_inplace_dflash_feed(feed: dict, spec: C.GraphSpec):
+    """:func:`graphs.kv.as_inplace_feed` for a DFlash draft graph written in place
+    (:func:`graphs.contract.inplace_dflash_spec`): each past (B, kv, P, hd) padded with A zero columns
+    (A: the new context rows), every row's A rows written at column P; the mask's P+A+S columns line up
+    with the buffer's P+A then the block's S. ``cut`` gives back each ``present.*`` as the A new rows."""
+    p = feed[C.past_key(0)].shape[2]
+    a = feed[C.AUX_HIDDEN].shape[1]
+    out = dict(feed)
+    for t in spec.inputs:
+        if t.name.startswith("past_key_values."):
+            x = feed[t.name]
+            out[t.name] = np.concatenate([x, np.zeros((*x.shape[:2], a, x.shape[3]), dtype=x.dtype)], axis=2)
+    out[C.KV_WRITE] = np.full(feed[C.AUX_HIDDEN].shape[0], p, dtype=np.int64)
+
+    def cut(outputs: dict) -> dict:
+        return {k: v[:, :, p : p + a] if k.startswith("present.") else v for k, v in outputs.items()}
+
+    return out, cut
 
 
 def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | None = None, *,

@@ -226,6 +226,8 @@ def inplace_base_spec(spec: GraphSpec, layout: str = "bhsd") -> GraphSpec:
     ``layout`` (``bsh``: the K/V of a position is one row of ``kv_heads * head_dim``, genai's layout)."""
     if kv_in_place(spec) or layout not in KV_LAYOUTS:
         raise ValueError(f"inplace_base_spec: {spec.file} is in place already, or layout {layout!r} is unknown")
+    if CONTEXT_POSITION_IDS in spec.input_names and layout == "bhsd":  # a DFlash draft graph (same pass)
+        return inplace_dflash_spec(spec)
 
     def kv(t: TensorSpec) -> TensorSpec:
         b, h, _, d = t.dims
@@ -243,6 +245,7 @@ def concat_base_spec(spec: GraphSpec, kv_heads: int, head_dim: int) -> GraphSpec
     its feeds are built for before :func:`graphs.kv.as_inplace_feed` adapts them)."""
     if not kv_in_place(spec):
         return spec
+    dflash = CONTEXT_POSITION_IDS in spec.input_names  # its mask keeps P+A+S columns, its new rows are A
 
     def kv(t: TensorSpec, seq: str) -> TensorSpec:
         return TensorSpec(t.name, t.dtype, (BATCH, kv_heads, seq, head_dim))
@@ -250,7 +253,7 @@ def concat_base_spec(spec: GraphSpec, kv_heads: int, head_dim: int) -> GraphSpec
     inputs = tuple(TensorSpec(t.name, t.dtype, (BATCH, 1, SEQ, TOTAL)) if t.name == ATTENTION_MASK
                    else kv(t, PAST) if t.name.startswith("past_key_values.") else t
                    for t in spec.inputs if t.name != KV_WRITE)
-    outputs = tuple(kv(t, SEQ) if t.name.startswith("present.") else t for t in spec.outputs)
+    outputs = tuple(kv(t, AUX_SEQ if dflash else SEQ) if t.name.startswith("present.") else t for t in spec.outputs)
     return GraphSpec(file=spec.file, inputs=inputs, outputs=outputs)
 
 
@@ -333,6 +336,26 @@ def dflash_graph_spec(dims: ModelDims, draft_layers: int, n_aux: int, file: str 
         *_kv_specs(False, draft_layers, dims.num_kv_heads, dims.head_dim, dims.dtype, AUX_SEQ),
     )
     return GraphSpec(file=file, inputs=inputs, outputs=outputs)
+
+
+def inplace_dflash_spec(spec: GraphSpec) -> GraphSpec:
+    """``spec`` (a DFlash draft graph) with its context K/V written in place, as :func:`inplace_base_spec`
+    does for the base (the same pass: each ``Concat(past, new)`` -> ``TensorScatter``): each past K/V
+    input is the drafter's cache buffer of ``past_sequence`` columns, row b's A new context rows are
+    written at columns ``[kv_write_index[b], +A)``, ``present.*`` is the buffer; the mask spans the
+    buffer's columns (the new rows marked at their write positions) then the S block columns, so its key
+    axis ``total_sequence`` is P + S here."""
+    if kv_in_place(spec) or CONTEXT_POSITION_IDS not in spec.input_names:
+        raise ValueError(f"inplace_dflash_spec: {spec.file} is in place already, or not a DFlash draft graph")
+
+    def kv(t: TensorSpec) -> TensorSpec:
+        b, h, _, d = t.dims
+        return TensorSpec(t.name, t.dtype, (b, h, PAST, d))
+
+    inputs = [kv(t) if t.name.startswith("past_key_values.") else t for t in spec.inputs]
+    inputs.append(TensorSpec(KV_WRITE, "int64", (BATCH,)))
+    outputs = [kv(t) if t.name.startswith("present.") else t for t in spec.outputs]
+    return GraphSpec(file=spec.file, inputs=tuple(inputs), outputs=tuple(outputs))
 
 
 ACCEPT_INDEX = "accept_index"

@@ -104,3 +104,52 @@ def test_schema_refuses_a_bad_dflash_entry(dflash_export):
     bad["graphs"]["base"]["outputs"] = [t for t in bad["graphs"]["base"]["outputs"] if t["name"] != C.AUX_HIDDEN]
     with pytest.raises(ArtifactError, match="does not emit"):
         check_manifest(bad)
+
+
+def test_context_cache_written_in_place(dflash_export, tmp_path):
+    """The K/V-in-place pass the base and EAGLE graphs get (each Concat(past, new) -> TensorScatter) turns the
+    DFlash draft graph into one that writes the A new context rows into the caller's buffer at each row's
+    own column (C.inplace_dflash_spec): the same outputs as the traced graph, the buffer holding the rows."""
+    import onnx
+    import onnxruntime as ort
+
+    from exporter.passes.kv_inplace import write_in_place
+    from exporter.validate import dflash_cases, run_case
+
+    model, out = dflash_export
+    m = Manifest.read(out)
+    spec = m.graphs["draft"]
+    layers = len(model.dflash_module.layers)
+    proto, layout = write_in_place(onnx.load(str(out / spec.file)), layers, 0, 0, 0, compact=False)
+    assert layout == "bhsd"
+    onnx.save(proto, str(tmp_path / "draft_inplace.onnx"))
+    ispec = C.inplace_base_spec(spec, layout)  # the optimize stage's call: the DFlash form
+    assert ispec == C.inplace_dflash_spec(spec) and C.concat_base_spec(ispec, 0, 0).output(C.present_key(0)).dims[2] \
+        == C.AUX_SEQ
+    assert ispec.input(C.ATTENTION_MASK).dims[3] == C.TOTAL and ispec.input_names[-1] == C.KV_WRITE
+    raw = ort.InferenceSession(str(out / spec.file), providers=["CPUExecutionProvider"])
+    inplace = ort.InferenceSession(str(tmp_path / "draft_inplace.onnx"), providers=["CPUExecutionProvider"])
+    for case, inputs in dflash_cases(model, m.graphs["base"], torch.Generator().manual_seed(3)):
+        want = run_case(raw, spec, inputs)
+        got = run_case(inplace, ispec, inputs)  # buffers padded, rows written at column P, cut back
+        for name, a, b in zip(spec.output_names, want, got):
+            np.testing.assert_allclose(b, a, atol=1e-6, rtol=1e-6, err_msg=f"{case} {name}")
+    # the runtime's form: one buffer, row b's rows at its own column (sequence 1 holds 3 rows: its 2 new
+    # rows go to columns 3..4), a spare column; the same outputs as the concat form with holes
+    _, inputs = dflash_cases(model, m.graphs["base"], torch.Generator().manual_seed(3))[1]
+    feed = {t.name: x.numpy() for t, x in zip(spec.inputs, inputs)}
+    past = [t.name for t in spec.inputs if t.name.startswith("past_")]
+    a, s = feed[C.AUX_HIDDEN].shape[1], feed[C.INPUT_IDS].shape[1]
+    buf = {n: np.concatenate([feed[n], np.zeros((2, *feed[n].shape[1:2], a + 1, feed[n].shape[3]), np.float32)], 2)
+           for n in past}  # capacity P + A + 1
+    write = np.array([5, 3])
+    ctx = np.zeros((2, 1, s, 5 + a + 1), bool)
+    ctx[0, ..., : 5 + a] = True
+    ctx[1, ..., : 3 + a] = True
+    mask = np.concatenate([ctx, np.ones((2, 1, s, s), bool)], axis=3)
+    ifeed = {**feed, **buf, C.ATTENTION_MASK: mask, C.KV_WRITE: write}
+    got = dict(zip(ispec.output_names, inplace.run(ispec.output_names, ifeed)))
+    want = dict(zip(spec.output_names, raw.run(spec.output_names, feed)))
+    np.testing.assert_allclose(got[C.LOGITS], want[C.LOGITS], atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(got[C.present_key(0)][0, :, 5 : 5 + a], want[C.present_key(0)][0], atol=1e-6)
+    np.testing.assert_allclose(got[C.present_key(0)][1, :, 3 : 3 + a], want[C.present_key(0)][1], atol=1e-6)
