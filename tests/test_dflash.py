@@ -203,6 +203,20 @@ def test_training_on_the_cache_lowers_the_loss_and_reports_block_acceptance(tmp_
     assert len(acc["per_position"]) == 3 and acc["anchors"] > 0
     assert report["training"]["final_loss"] is not None
     assert acc["tau_chain"] > 1.5, acc  # a repeated pattern: the trained block drafts it
+    assert set(acc["tau_tree"]) == {"4", "8"} and acc["tau_tree"]["8"] >= 1.5, acc  # block-size and 2x trees
+    assert any("trees from the block" in ln for ln in lines)
+
+
+def test_tree_acceptance_follows_the_true_continuation():
+    """The greedy verify's walk: from the root, the child holding the next true token, while there is one."""
+    import numpy as np
+
+    from graphs.dflash_tree import block_tree
+
+    tree, tokens = block_tree(np.array([[5, 9], [7, 8]]), np.log([[0.6, 0.3], [0.5, 0.4]]), 4, size=4)
+    assert T.tree_accepted(tree, tokens, [5, 7, 1]) == 2  # root 4 -> 5 -> 7, then no child
+    assert T.tree_accepted(tree, tokens, [9, 7]) == 1  # 9 kept, its children pruned
+    assert T.tree_accepted(tree, tokens, [8]) == 0
 
 
 def test_train_drafter_sample_trains_a_dflash_drafter_for_a_base(tmp_path, capsys):

@@ -342,11 +342,13 @@ def dflash_loss(module: DFlashModule, cfg: DFlashConfig, base, base_out, input_i
 
 
 @torch.no_grad()
-def dflash_block_predictions(model, features, input_ids, anchors) -> torch.Tensor:
-    """(N, b-1) top-1 drafts of the blocks at ``anchors`` (N,) of one sequence: entry [j, k] guesses
-    input_ids[anchors[j] + k + 1]. ``features`` (1, L, n*H): the base's target layers."""
+def dflash_block_topk(model, features, input_ids, anchors, k: int = 1):
+    """Top-``k`` drafts of the blocks at ``anchors`` (N,) of one sequence: (ids, log-probs), each
+    (N, b-1, k); entry [j, s] is the guess for input_ids[anchors[j] + s + 1] (what the draft graph's
+    topk_ids / topk_logprobs give at serving time). ``features`` (1, L, n*H): the base's target layers."""
     dm = model.dflash_module
     a = torch.as_tensor(anchors, dtype=torch.long)[None]  # (1, N)
     hidden = block_hidden(dm, model, features, input_ids, a, torch.ones_like(a, dtype=torch.bool))
-    b = dm.block_size
-    return model.lm_head(hidden.view(a.shape[1], b, -1)[:, 1:]).argmax(-1)  # (N, b-1)
+    logits = model.lm_head(hidden.view(a.shape[1], dm.block_size, -1)[:, 1:])  # (N, b-1, V)
+    lp, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+    return ids, lp

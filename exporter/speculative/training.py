@@ -442,28 +442,18 @@ def heldout_acceptance(model, held: FeatureCache, depth: int = 3) -> dict:
     At each answer position t the drafter drafts ``depth`` tokens feeding itself (as at serving time);
     a chain's accepted length is 1 + its leading correct drafts (the bonus token counts), so
     ``tau_chain`` is the mean accepted length a chain of this depth reaches on greedy decoding.
-    ``per_position[k]``: the share of anchors whose first k+1 drafts are all right. DFlash drafts
-    its whole block (depth ``block_size - 1``) from each answer token as anchor."""
-    from exporter.speculative.dflash import dflash_block_predictions
+    ``per_position[k]``: the share of anchors whose first k+1 drafts are all right. DFlash: see
+    :func:`dflash_heldout_acceptance` (its block, and trees from the block)."""
     from exporter.speculative.eagle import eagle_chain_predictions
     from exporter.speculative.medusa import medusa_logits
 
+    if model.spec_mode == "dflash":
+        return dflash_heldout_acceptance(model, held)
     by_cat: dict[str, list[torch.Tensor]] = {}
     for e, f in zip(held.examples, held.features):
         ids = torch.tensor([e.ids])
         feats = f[None].float()
         n_prompt = len(e.prompt)
-        if model.spec_mode == "dflash":  # anchor t (an answer token): drafts [j, k] guess x_{t+k+1}
-            d = model.dflash_module.block_size - 1
-            anchors = list(range(max(n_prompt, 1), ids.shape[1] - 1))
-            if anchors:
-                preds = dflash_block_predictions(model, feats, ids, anchors)
-                for j, t in enumerate(anchors):
-                    k = 0
-                    while k < d and t + k + 1 < ids.shape[1] and int(preds[j, k]) == int(ids[0, t + k + 1]):
-                        k += 1
-                    by_cat.setdefault(e.category, []).append(torch.tensor(k))
-            continue
         if model.spec_mode == "medusa":
             heads = medusa_logits(model.medusa_heads, feats).argmax(-1)[0]  # (S, heads)
             d = min(depth, heads.shape[1])
@@ -478,14 +468,73 @@ def heldout_acceptance(model, held: FeatureCache, depth: int = 3) -> dict:
             while k < d and t + k + 2 < seq and int(preds[t, k]) == int(ids[0, t + k + 2]):
                 k += 1
             by_cat.setdefault(e.category, []).append(torch.tensor(k))
-    if model.spec_mode == "dflash":
-        depth = model.dflash_module.block_size - 1
     out = {}
     for cat, ks in sorted(by_cat.items()):
         out[cat] = _acceptance(torch.stack(ks), depth)
     everything = [k for ks in by_cat.values() for k in ks]
     out["all"] = _acceptance(torch.stack(everything), depth) if everything else {}
     return out
+
+
+@torch.no_grad()
+def dflash_heldout_acceptance(model, held: FeatureCache, topk: int = 4, tree_sizes=None) -> dict:
+    """A DFlash drafter's greedy acceptance on held-out answers, by category: each answer token t (the
+    base's own greedy text, so a draft is accepted iff it is the next token) anchors one block.
+
+    ``tau_chain``: 1 + the mean leading correct top-1 drafts (depth ``block_size - 1``, a verify of
+    ``block_size`` nodes); ``tau_tree[T]``: 1 + the mean accepted length of the T-node tree grown from the
+    block's per-slot top-``topk`` (:func:`graphs.dflash_tree.block_tree`), walking it along the true
+    continuation as the greedy verify does. ``tree_sizes`` (default: ``block_size``, the chain's verify
+    budget, and twice it). Trees rank nodes by the drafter's path probability, which treats the slots as
+    independent (docs/dflash.md, R7): the measure says what that buys."""
+    from exporter.speculative.dflash import dflash_block_topk
+    from graphs.dflash_tree import block_tree
+
+    b = model.dflash_module.block_size
+    sizes = tuple(tree_sizes or (b, 2 * b))
+    chains: dict[str, list[int]] = {}
+    trees: dict[str, dict[int, list[int]]] = {}
+    for e, f in zip(held.examples, held.features):
+        ids = torch.tensor([e.ids])
+        seq = e.ids
+        anchors = list(range(max(len(e.prompt), 1), len(seq) - 1))
+        if not anchors:
+            continue
+        top_ids, top_lp = dflash_block_topk(model, f[None].float(), ids, anchors, topk)  # (N, b-1, K) each
+        for j, t in enumerate(anchors):
+            truth = seq[t + 1 : t + b]
+            k = 0
+            while k < len(truth) and int(top_ids[j, k, 0]) == truth[k]:
+                k += 1
+            chains.setdefault(e.category, []).append(k)
+            for size in sizes:
+                tree, tokens = block_tree(top_ids[j].numpy(), top_lp[j].numpy(), seq[t], size)
+                trees.setdefault(e.category, {}).setdefault(size, []).append(tree_accepted(tree, tokens, truth))
+    out = {}
+    for cat in sorted(chains):
+        ks = torch.tensor(chains[cat])
+        out[cat] = {**_acceptance(ks, b - 1),
+                    "tau_tree": {str(size): 1 + sum(v) / len(v) for size, v in trees[cat].items()}}
+    if chains:
+        every = torch.tensor([k for ks in chains.values() for k in ks])
+        out["all"] = {**_acceptance(every, b - 1), "tau_tree": {
+            str(size): 1 + sum(v for t in trees.values() for v in t[size]) / len(every) for size in sizes}}
+    else:
+        out["all"] = {}
+    return out
+
+
+def tree_accepted(tree, tokens, truth: list[int]) -> int:
+    """Drafts a greedy verify accepts from ``tree`` (node tokens ``tokens``) when the base's continuation
+    is ``truth``: follow the child holding the next true token while there is one."""
+    node = k = 0
+    kids = tree.child_lists
+    while k < len(truth):
+        node = next((c for c in kids[node] if int(tokens[c]) == truth[k]), -1)
+        if node < 0:
+            break
+        k += 1
+    return k
 
 
 def _acceptance(ks: torch.Tensor, depth: int) -> dict:
@@ -568,7 +617,10 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
     if acceptance:
         depth = model.dflash_module.block_size - 1 if cfg.mode == "dflash" else cfg.depth
         log(f"held-out acceptance (top-1 chain of depth {depth}): " + ", ".join(
-            f"{c} {a['tau_chain']:.2f}" for c, a in acceptance.items()))
+            f"{c} {a['tau_chain']:.2f}" for c, a in acceptance.items() if a))
+        if cfg.mode == "dflash" and acceptance.get("all"):
+            log("held-out acceptance (DFlash trees from the block's top-4, by size): " + ", ".join(
+                f"{n} nodes {tau:.2f}" for n, tau in acceptance["all"]["tau_tree"].items()))
     return {
         "config": dataclasses.asdict(cfg),
         "examples": len(examples), "answer_tokens": n_tokens,
