@@ -139,3 +139,21 @@ def test_draft_vocabulary_and_unknown_layouts_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unrecognised drafter format") as e:
         detect_format(["blocks.0.weight", "head.weight"])
     assert "zlab_dflash" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_export_with_a_zlab_drafter(tmp_path, capsys):
+    """python -m exporter.export BASE OUT --drafter ZLAB_DIR: the drafter's own dims (8 heads of 8, not the
+    base's) in the draft graph's cache, validated against PyTorch."""
+    from conftest import save_tiny_model
+
+    from exporter import pipeline
+    from graphs.manifest import Manifest
+
+    src = _trained("llama")
+    (tmp_path / "zl").mkdir()
+    _write_zlab(tmp_path / "zl", src)
+    save_tiny_model(tiny_model("llama"), tmp_path / "base")
+    pipeline.export(tmp_path / "base", tmp_path / "out", drafter=tmp_path / "zl", log=lambda *a, **k: None)
+    m = Manifest.read(tmp_path / "out")
+    assert m.validation["ok"] and (m.drafter["num_kv_heads"], m.drafter["head_dim"]) == (4, 8)
+    assert m.graphs["draft"].input("past_key_values.0.key").dims[1:] == (4, "past_sequence", 8)
