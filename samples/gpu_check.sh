@@ -42,13 +42,15 @@ install_parts() {  # install_parts NAME_GLOB: join NAME.part-*, check NAME.sha25
         rm -f "/tmp/$name"
     done
 }
-stamp "installing onnxruntime-gpu into $SITE"
+stamp "installing the carried wheels into $SITE"
 if ! "$PY" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" \
         2>/dev/null; then
     install_parts "onnxruntime_gpu-*.whl" || { echo "no onnxruntime-gpu: run samples/gpu_wheels.sh and carry" \
         "every $WHEELS/*.part-* and *.sha256 (docs/gpu.md)"; exit 2; }
 fi
-install_parts "onnxruntime_genai_cuda-*.whl" 2>/dev/null && stamp "onnxruntime-genai-cuda installed"
+for extra in "onnxruntime_genai_cuda-*.whl" "onnx_ir-*.whl"; do  # where carried
+    install_parts "$extra" 2>/dev/null && stamp "installed $extra"
+done
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 NV_LIBS=$("$PY" - <<'EOF'
 import pathlib, site

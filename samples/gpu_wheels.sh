@@ -25,6 +25,8 @@ fetch() {  # fetch NAME==VERSION: the cp312 manylinux x86_64 wheel, no dependenc
 }
 
 fetch "onnxruntime-gpu==$ORT_VERSION"
+# the device image's onnx-ir is 1.0; the optimize passes are tested on what this machine has (pure Python, small)
+fetch "onnx-ir==$(python3 -c 'import importlib.metadata as m; print(m.version("onnx-ir"))' 2>/dev/null || echo 1.1.0)"
 if [ "${GENAI:-1}" = 1 ]; then  # 0.18: the version exporter.bench's CPU peer is (it needs onnxruntime-gpu >= 1.31.0)
     fetch "onnxruntime-genai-cuda==${GENAI_VERSION:-0.18.0}" || echo "onnxruntime-genai-cuda: no cp312 wheel; the check skips genai"
 fi
