@@ -362,8 +362,14 @@ def _attention_forms(tmp: Path, manifest: Manifest, specs: dict, records: dict, 
         log(f"  [base] forms     Attention and GroupQueryAttention built; Attention until measured on the GPU: "
             f"{forms['measure']}", flush=True)
         return forms
-    return F.choose(forms, F.measure(tmp, forms, specs["base"], manifest.source["vocab_size"], provider=provider,
-                                     log=log), log)
+    try:
+        measured = F.measure(tmp, forms, specs["base"], manifest.source["vocab_size"], provider=provider, log=log)
+    except Exception as e:  # a kernel that refuses these shapes: the default form stays, and the reason is recorded
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        log(f"  [base] forms     not measured ({why}); Attention stays the default", flush=True)
+        forms["measured"] = {"provider": provider, "error": why}
+        return forms
+    return F.choose(forms, measured, log)
 
 
 def measure_attention_forms(out_dir, provider: str = "cuda", repeats: int | None = None, progress=print) -> dict:
@@ -396,8 +402,15 @@ def measure_attention_forms(out_dir, provider: str = "cuda", repeats: int | None
             manifest = _read_export(out_dir)
             writer.carry()
             forms = manifest.optimization["base"]["attention_forms"]
-            measured = F.measure(out_dir, forms, manifest.graphs["base"], manifest.source["vocab_size"],
-                                 provider=provider, repeats=repeats or F.REPEATS, log=log)
+            try:
+                measured = F.measure(out_dir, forms, manifest.graphs["base"], manifest.source["vocab_size"],
+                                     provider=provider, repeats=repeats or F.REPEATS, log=log)
+            except UserError:
+                raise
+            except Exception as e:
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                raise UserError(f"timing the attention forms on {provider} failed ({why}); the export is "
+                                f"untouched and keeps its default form") from None
             F.choose(forms, measured, log)
             writer.commit(manifest)
         finally:

@@ -20,6 +20,7 @@ from helpers import one_line
 
 from exporter import attention_forms as F
 from exporter.compare_report import TOLERANCES
+from exporter.errors import UserError
 from exporter.optimize import optimize_export
 from exporter.optimizing import OptimizeOptions, rows_provider
 from exporter.passes.parity import Case, graph_parity
@@ -150,3 +151,23 @@ def test_cuda_rows_gate_records_its_provider(cuda_optimized):
     m = Manifest.read(cuda_optimized(float16=False))
     rows = m.validation["optimize"]["rows"]
     assert rows["provider"] == "cpu" and rows["contract"] in ("exact", "recorded bound")
+
+
+def test_a_form_the_device_cannot_time_leaves_the_export(cuda_optimized, tmp_path, monkeypatch):
+    """--measure-forms where a kernel refuses the shapes: one line, the manifest as it was."""
+    import onnxruntime as ort
+
+    from exporter.pipeline import measure_attention_forms
+
+    out = tmp_path / "out"
+    shutil.copytree(cuda_optimized(float16=False), out)
+    before = (out / "manifest.json").read_text()
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+    def refuse(*_a, **_k):
+        raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : head_size not supported\nmore")
+
+    monkeypatch.setattr(F, "measure", refuse)
+    with pytest.raises(UserError, match=r"head_size not supported.*untouched"):
+        measure_attention_forms(out, provider="cuda", progress=None)
+    assert (out / "manifest.json").read_text() == before
