@@ -616,7 +616,8 @@ def check_one_sequence(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict
     top1 = min((r.top1 for r in rows if r.top1 is not None), default=None)
     one.update({"parity_max_abs_logits": worst, "min_top1": top1, "single_max_abs": single, "multi_max_abs": multi,
                 "tree_max_abs": own_tree, "vs_base_max_abs": cross, "vs_base_tree_max_abs": cross_tree,
-                "chains": len(pairs), **({} if ceiling is None else {"vs_raw_ceiling": ceiling})})
+                "chains": len(pairs), "rows_provider": device,
+                **({} if ceiling is None else {"vs_raw_ceiling": ceiling})})
     base["min_rows"] = min_rows
     # the bound a token's logits obey whichever call computes them (calls alternate between the graphs):
     # a one-row step on either graph, across to the other graph's chain, to a tree there
