@@ -93,15 +93,15 @@ cat "$OUT/gpu.txt" 2>/dev/null
 
 # -- 3. the GPU tests
 stamp "python -m pytest -m gpu"
-timeout "${GPU_CHECK_PYTEST_S:-150}" "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py \
+timeout "${GPU_CHECK_PYTEST_S:-140}" "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py \
     tests/test_gpu_tree.py 2>&1 | tee "$OUT/pytest.txt"
 PYTEST_RC=${PIPESTATUS[0]}
 stamp "pytest exit $PYTEST_RC"
 
 # -- 4. a model through export, optimize --target cuda, decoding
 stamp "the model part (samples/gpu_check.py)"
-timeout "${GPU_CHECK_MODEL_S:-250}" "$PY" samples/gpu_check.py --out "$OUT/gpu_check.json" \
-    --budget-s "${GPU_CHECK_BUDGET_S:-60}" ${1:+--model "$1"}
+timeout "${GPU_CHECK_MODEL_S:-280}" "$PY" samples/gpu_check.py --out "$OUT/gpu_check.json" \
+    --budget-s "${GPU_CHECK_BUDGET_S:-45}" ${1:+--model "$1"}
 MODEL_RC=$?
 stamp "done: pytest $PYTEST_RC, model part $MODEL_RC (report $OUT/gpu_check.json)"
 [ "$PYTEST_RC" = 0 ] && [ "$MODEL_RC" = 0 ]
