@@ -217,6 +217,22 @@ def genai_step(model: Path, work: Path, max_new: int) -> dict:
     return {"version": og.__version__, "tokens_per_s": tokens / dt, "tokens": tokens, "seconds": dt}
 
 
+def goals(steps: dict) -> dict:
+    """Issue 37's two GPU goals from the steps' figures: the best speculative tree >= 1.5x our float16
+    autoregressive, our float16 autoregressive >= 1.0x onnxruntime-genai's CUDA build."""
+    speed, genai = steps.get("speed") or {}, steps.get("genai") or {}
+    ar = (speed.get("autoregressive") or {}).get("tokens_per_s")
+    trees = {k: v["vs_autoregressive"] for k, v in (speed.get("speculative") or {}).items() if "vs_autoregressive" in v}
+    best = max(trees.items(), key=lambda kv: kv[1]) if trees else None
+    rec = {"best_tree": best and {"size": int(best[0]), "vs_autoregressive": best[1],
+                                  "goal_1.5x": best[1] >= 1.5}}
+    if ar and genai.get("tokens_per_s"):
+        rec["autoregressive_vs_genai"] = ar / genai["tokens_per_s"]
+        rec["goal_1.0x_genai"] = rec["autoregressive_vs_genai"] >= 1.0
+    print(f"  goals: {rec}", flush=True)
+    return rec  # reported, not failed: a goal missed is a finding, not a broken check
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="the JSON report")
@@ -238,6 +254,7 @@ def main(argv=None) -> int:
         rep.step("speed", speed_step, out, args.max_new_tokens, args.provider)
     if m:
         rep.step("genai", genai_step, Path(m["model"]), args.work, args.max_new_tokens)
+    rep.step("goals", goals, rep.data["steps"])
     print(f"gpu check: {rep.failed} step(s) failed; report {args.out}", flush=True)
     return 1 if rep.failed else 0
 
