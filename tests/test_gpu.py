@@ -111,7 +111,8 @@ FORM_CASES = {
 def test_cuda_float16_attention_forms_match_the_float32_trace(cuda_export, exported, form):
     """Each float16 form on the CUDA EP against the raw float32 trace on the CPU EP: non-causal tree
     masks after a past with holes (batch 2 for the Attention form), one token per row of a batch of 3
-    with holes, at compare's float16 CUDA tolerance; the argmax of every row the same."""
+    with holes, at compare's float16 CUDA tolerance; the argmax the same wherever the float32 top-2
+    margin is wider than twice the error."""
     import numpy as np
 
     from exporter.compare_report import TOLERANCES
@@ -135,7 +136,9 @@ def test_cuda_float16_attention_forms_match_the_float32_trace(cuda_export, expor
         got = np.asarray(gpu(new_feed)[C.LOGITS], dtype=np.float64)  # (B, S, V): the new rows' logits
         err = float(np.abs(got - want).max())
         assert err <= tol.atol + tol.rtol * float(np.abs(want).max()), f"{form} {name}: max |logits diff| {err:.3g}"
-        assert (got.argmax(-1) == want.argmax(-1)).all(), f"{form} {name}: argmax differs"
+        top2 = np.sort(want, axis=-1)[..., -2:]
+        clear = top2[..., 1] - top2[..., 0] > 2 * err  # a near tie within the error may resolve either way
+        assert (got.argmax(-1) == want.argmax(-1))[clear].all(), f"{form} {name}: argmax differs"
 
 
 def test_cuda_rows_gate_ran_on_the_gpu(cuda_export):
