@@ -157,3 +157,21 @@ def test_export_with_a_zlab_drafter(tmp_path, capsys):
     m = Manifest.read(tmp_path / "out")
     assert m.validation["ok"] and (m.drafter["num_kv_heads"], m.drafter["head_dim"]) == (4, 8)
     assert m.graphs["draft"].input("past_key_values.0.key").dims[1:] == (4, "past_sequence", 8)
+
+
+def test_modelopt_raw_checkpoint_reads_modelopt_state(tmp_path):
+    """ModelOpt's HF checkpointing writes modelopt_state.pth (plain dicts): block size and mask token come
+    from it, so the raw checkpoint loads (and exports, --drafter) with no config=."""
+    src = _trained("llama")
+    full = {**{k: v.contiguous() for k, v in src.state_dict().items() if not k.startswith("dflash_module.")},
+            **{"dflash_module." + k: v for k, v in _state(src).items()}}
+    full.pop("lm_head.weight", None)
+    save_file(full, str(tmp_path / "model.safetensors"))
+    mo_cfg = {"dflash_block_size": 4, "dflash_mask_token_id": 250, "dflash_offline": False,
+              "dflash_loss_objective": "dpace", "dflash_architecture_config": {
+                  "num_hidden_layers": 2, "hidden_act": "silu", "rms_norm_eps": 1e-6, "_attn_implementation": "sdpa"}}
+    torch.save({"modelopt_state_dict": [("dflash", {"config": mo_cfg, "metadata": {}})], "modelopt_version": "0.40"},
+               tmp_path / "modelopt_state.pth")
+    dst = load_external_drafter(tiny_model("llama"), tmp_path, config={"dflash_target_layer_ids": [0, 2]})
+    assert dst.dflash_module.block_size == 4 and dst.dflash_module.mask_token_id == 250
+    _same(src, dst)

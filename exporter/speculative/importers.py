@@ -23,8 +23,10 @@ medusa``               ``{k}.{n}.weight`` (n = layers per head) -> ``{k}.lm_head
 =====================  ==========================================================================
 
 A raw ModelOpt DFlash checkpoint (``dflash_module.*`` beside the base's keys) keeps its block size and
-mask token in ModelOpt's own state, which is not read: pass them as ``config={"dflash_block_size": 8,
-"dflash_mask_token_id": ...}``; its target layers are ModelOpt's ``build_target_layer_ids``.
+mask token in ModelOpt's own state, ``modelopt_state.pth`` beside the weights: read with
+``torch.load(weights_only=True)`` (plain dicts; a file that needs more is not read), else pass them as
+``config={"dflash_block_size": 8, "dflash_mask_token_id": ...}``; its target layers are ModelOpt's
+``build_target_layer_ids``.
 
 Attention biases a foreign Llama-style drafter lacks (a Qwen2 base has q/k/v biases) are zero: the
 same function. ``.pt``/``.bin`` files load with ``torch.load(weights_only=True)``; prefer safetensors.
@@ -332,7 +334,7 @@ def _modelopt(src: _Source, base_cfg, overrides) -> _Plan:
         prefix = DRAFTER_PREFIX["dflash"]
         mapping = {k[len(prefix) :]: k for k in dflash if not _IGNORED.search(k)}
         ours = saved.get("config") if isinstance(saved, dict) and saved.get("mode") == "dflash" else None
-        return _dflash_plan(src, mapping, base_cfg, "modelopt", overrides, ours or {})
+        return _dflash_plan(src, mapping, base_cfg, "modelopt", overrides, ours or _modelopt_dflash_state(src))
     prefix = DRAFTER_PREFIX["eagle"]
     mapping = {k[len(prefix) :]: k for k in eagle if not _IGNORED.search(k)}
     eagle3 = "layers.0.hidden_norm.weight" in mapping
@@ -436,6 +438,35 @@ def _dflash_plan(src: _Source, mapping: dict[str, str], base_cfg, fmt: str, over
         raise ValueError(f"{fmt}: {src.path} names {len(ids)} target layers {ids}, but its fc.weight "
                          f"{src.shape(mapping['fc.weight'])} fuses {n_target}")
     return _Plan("dflash", out, sources=dict(mapping))
+
+
+MODELOPT_STATE = "modelopt_state.pth"  # ModelOpt's HF checkpointing writes it beside the weights
+# what this drafter takes from ModelOpt's saved DFlashConfig (its dims come from the tensors)
+_MODELOPT_DFLASH_KEYS = ("dflash_block_size", "dflash_mask_token_id", "dflash_loss_objective",
+                         "dflash_loss_decay_factor", "dflash_dpace_alpha", "dflash_num_anchors",
+                         "dflash_self_logit_distillation")
+
+
+def _modelopt_dflash_state(src: _Source) -> dict:
+    """The ``dflash`` mode's config in ModelOpt's ``modelopt_state.pth`` (``{"modelopt_state_dict": [(mode,
+    {"config": dict, "metadata": dict}), ...]}``), as our config keys; {} when absent or not plain data."""
+    f = (src.path if src.path.is_dir() else src.path.parent) / MODELOPT_STATE
+    if not f.is_file():
+        return {}
+    try:
+        state = torch.load(str(f), map_location="cpu", weights_only=True)
+    except Exception as e:  # pickled classes: not read (no code runs from a checkpoint)
+        log.warning("%s is not plain data (%s); pass the DFlash block size and mask token as config=", f, e)
+        return {}
+    modes = state.get("modelopt_state_dict") if isinstance(state, dict) else None
+    cfg = next((m[1].get("config") for m in modes or [] if isinstance(m, (list, tuple)) and len(m) == 2
+                and m[0] == "dflash" and isinstance(m[1], dict)), None)
+    if not isinstance(cfg, dict):
+        return {}
+    out = {k: cfg[k] for k in _MODELOPT_DFLASH_KEYS if cfg.get(k) is not None}
+    arch = cfg.get("dflash_architecture_config") or {}
+    out["dflash_architecture_config"] = {k: arch[k] for k in ("rms_norm_eps", "hidden_act") if k in arch}
+    return out
 
 
 def _zlab_dflash(src: _Source, base_cfg, overrides) -> _Plan:
