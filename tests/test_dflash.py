@@ -204,6 +204,7 @@ def test_training_on_the_cache_lowers_the_loss_and_reports_block_acceptance(tmp_
     assert report["training"]["final_loss"] is not None
     assert acc["tau_chain"] > 1.5, acc  # a repeated pattern: the trained block drafts it
     assert set(acc["tau_tree"]) == {"4", "8"} and acc["tau_tree"]["8"] >= 1.5, acc  # block-size and 2x trees
+    assert set(acc["tau_static_tree"]) == {"4", "8"} and len(acc["acceptance_by_slot_rank"]) == 3
     assert any("trees from the block" in ln for ln in lines)
 
 

@@ -482,45 +482,55 @@ def dflash_heldout_acceptance(model, held: FeatureCache, topk: int = 4, tree_siz
     base's own greedy text, so a draft is accepted iff it is the next token) anchors one block.
 
     ``tau_chain``: 1 + the mean leading correct top-1 drafts (depth ``block_size - 1``, a verify of
-    ``block_size`` nodes); ``tau_tree[T]``: 1 + the mean accepted length of the T-node tree grown from the
-    block's per-slot top-``topk`` (:func:`graphs.dflash_tree.block_tree`), walking it along the true
-    continuation as the greedy verify does. ``tree_sizes`` (default: ``block_size``, the chain's verify
-    budget, and twice it). Trees rank nodes by the drafter's path probability, which treats the slots as
-    independent (docs/dflash.md, R7): the measure says what that buys."""
+    ``block_size`` nodes). For each T in ``tree_sizes`` (default: ``block_size``, the chain's verify
+    budget, and twice it), walking the T-node tree along the true continuation as the greedy verify does:
+    ``tau_tree[T]`` for the tree grown from the block's per-slot top-``topk`` by the drafter's path
+    probability (:func:`graphs.dflash_tree.block_tree`), and ``tau_static_tree[T]`` for the static tree
+    of the measured acceptance (``acceptance_by_slot_rank[s][r]``: how often slot s's rank-r token is
+    right given the top-1 drafts before it were, :func:`graphs.trees.medusa_paths_from_acceptance`; in
+    sample here, so optimistic) filled with each block's top-k (docs/dflash.md, R7)."""
+    import numpy as np
+
     from exporter.speculative.dflash import dflash_block_topk
     from graphs.dflash_tree import block_tree
+    from graphs.trees import medusa_candidates, medusa_paths_from_acceptance, medusa_tree
 
     b = model.dflash_module.block_size
     sizes = tuple(tree_sizes or (b, 2 * b))
-    chains: dict[str, list[int]] = {}
-    trees: dict[str, dict[int, list[int]]] = {}
+    blocks = []  # (category, root token, top ids (b-1, K), top log-probs, truth)
     for e, f in zip(held.examples, held.features):
-        ids = torch.tensor([e.ids])
-        seq = e.ids
-        anchors = list(range(max(len(e.prompt), 1), len(seq) - 1))
-        if not anchors:
-            continue
-        top_ids, top_lp = dflash_block_topk(model, f[None].float(), ids, anchors, topk)  # (N, b-1, K) each
-        for j, t in enumerate(anchors):
-            truth = seq[t + 1 : t + b]
-            k = 0
-            while k < len(truth) and int(top_ids[j, k, 0]) == truth[k]:
-                k += 1
-            chains.setdefault(e.category, []).append(k)
-            for size in sizes:
-                tree, tokens = block_tree(top_ids[j].numpy(), top_lp[j].numpy(), seq[t], size)
-                trees.setdefault(e.category, {}).setdefault(size, []).append(tree_accepted(tree, tokens, truth))
+        anchors = list(range(max(len(e.prompt), 1), len(e.ids) - 1))
+        if anchors:
+            ids, lp = dflash_block_topk(model, f[None].float(), torch.tensor([e.ids]), anchors, topk)
+            blocks += [(e.category, e.ids[t], ids[j].numpy(), lp[j].numpy(), e.ids[t + 1 : t + b])
+                       for j, t in enumerate(anchors)]
+    if not blocks:
+        return {"all": {}}
+    hits, seen = np.zeros((b - 1, topk)), np.zeros(b - 1)
+    lead = []
+    for _, _, ids, _, truth in blocks:
+        k = 0
+        while k < len(truth) and ids[k, 0] == truth[k]:
+            k += 1
+        lead.append(k)
+        for s in range(min(k + 1, len(truth))):  # slots whose top-1 predecessors were all right
+            seen[s] += 1
+            hits[s] += ids[s] == truth[s]
+    acc = hits / np.maximum(seen, 1)[:, None]  # (b-1, K)
+    static = {size: medusa_tree(medusa_paths_from_acceptance(acc, size, min_prob=0.0) or [[0]]) for size in sizes}
+    rows: dict[str, list] = {}
+    for (cat, root, ids, lp, truth), k in zip(blocks, lead):
+        walks = [tree_accepted(*block_tree(ids, lp, root, size), truth) for size in sizes]
+        walks += [tree_accepted(t, medusa_candidates(t, root, ids), truth) for t in static.values()]
+        rows.setdefault(cat, []).append((k, walks))
+    rows["all"] = [r for cat in list(rows) for r in rows[cat]]
     out = {}
-    for cat in sorted(chains):
-        ks = torch.tensor(chains[cat])
-        out[cat] = {**_acceptance(ks, b - 1),
-                    "tau_tree": {str(size): 1 + sum(v) / len(v) for size, v in trees[cat].items()}}
-    if chains:
-        every = torch.tensor([k for ks in chains.values() for k in ks])
-        out["all"] = {**_acceptance(every, b - 1), "tau_tree": {
-            str(size): 1 + sum(v for t in trees.values() for v in t[size]) / len(every) for size in sizes}}
-    else:
-        out["all"] = {}
+    for cat, rs in rows.items():
+        mean = lambda i, rs=rs: 1 + sum(w[i] for _, w in rs) / len(rs)
+        out[cat] = {**_acceptance(torch.tensor([k for k, _ in rs]), b - 1),
+                    "tau_tree": {str(n): mean(i) for i, n in enumerate(sizes)},
+                    "tau_static_tree": {str(n): mean(len(sizes) + i) for i, n in enumerate(sizes)}}
+    out["all"]["acceptance_by_slot_rank"] = acc.round(4).tolist()
     return out
 
 
@@ -619,8 +629,10 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
         log(f"held-out acceptance (top-1 chain of depth {depth}): " + ", ".join(
             f"{c} {a['tau_chain']:.2f}" for c, a in acceptance.items() if a))
         if cfg.mode == "dflash" and acceptance.get("all"):
-            log("held-out acceptance (DFlash trees from the block's top-4, by size): " + ", ".join(
-                f"{n} nodes {tau:.2f}" for n, tau in acceptance["all"]["tau_tree"].items()))
+            a = acceptance["all"]
+            log("held-out acceptance (DFlash trees from the block's top-4, by size; path probability | measured "
+                "acceptance): " + ", ".join(f"{n} nodes {a['tau_tree'][n]:.2f} | {a['tau_static_tree'][n]:.2f}"
+                                           for n in a["tau_tree"]))
     return {
         "config": dataclasses.asdict(cfg),
         "examples": len(examples), "answer_tokens": n_tokens,
