@@ -8,15 +8,18 @@
             print(event.request_id, event.text, event.finish_reason)
     engine.remove_request(a)                 # cancel (from any thread): its K/V row is freed
 
-One step (the one loop, for every drafting strategy of :mod:`graphs.proposers`)::
+The engine talks to the graphs only through its executor (:mod:`graphs.executor`: the host one,
+:class:`graphs.host.HostExecutor`, or a test's fake); a step is data (:mod:`graphs.step`). One step
+(the one loop, for every drafting strategy of :mod:`graphs.proposers`), phase by phase::
 
     commands  requests added / removed since the last step (from any thread) are applied
     plan      one width for the batch from measured costs and each request's gains (graphs.adaptive)
     propose   the proposer drafts a tree per drafting row (plain rows verify their root only)
     verify    one base forward over every occupied row: its tree, padded to the batch's width
-    accept    each row's own sampler walks its tree (greedy, lossless rejection sampling, typical)
-    commit    each row's accepted K/V is written at its own length (graphs.slots)
+    select    each row's own sampler walks its tree (greedy, lossless rejection sampling, typical)
+    commit    each row's accepted K/V is kept at its own length (the executor's K/V rows)
     advance   the proposer updates each row's drafter state
+    account   the step's record folds into the policy's costs and gains and the statistics
     emit      tokens, text, stop strings, finish reasons; finished rows leave at once
     prefill   waiting requests take free rows; prompt chunks of ``prefill_chunk`` tokens run within
               the step's token budget, so a long prompt never stalls the others for its whole length
@@ -41,7 +44,7 @@ running step (a short lock guards the incoming queue): an added request joins at
 removed one has its row freed at once, or, while a step runs, by that step before it returns. A
 caller that keeps its own queue for the engine's thread calls :meth:`interrupt` as it queues.
 Sessions are shared by every engine of a decoder (ONNX Runtime sessions may be run from several
-threads).
+threads); each engine has its own executor and K/V.
 
 Memory: the base's K/V (and the EAGLE drafter's) is one row per request slot of at most ``max_len``
 positions (plus one tree), allocated as rows fill up and never past that budget
@@ -407,14 +410,15 @@ class Engine:
                 return events
         rec = self._speculate(plan)
         cold = self._switched("drafted" if plan.drafted else "plain")
-        n = len(plan.live)
-        self.planner.costs.add_verify(n * rec.drafts.width, rec.seconds("verify"), cold)
-        if plan.drafted:
-            self.planner.costs.add_draft(n, rec.drafts.seconds, cold)
+        for c in rec.calls:  # what each call cost, for the policy (a call after one of another kind: cold)
+            if c.kind == "draft":
+                self.planner.costs.add_draft(c.rows, c.seconds, cold)
+            else:
+                self.planner.costs.add_verify(c.rows * c.width, c.seconds, cold)
         self._count_step(plan.drafted, rec.seconds("verify"), rec.drafts.seconds, rec.drafts.calls)
         events = self._emit_step(rec)
         rec.host = time.perf_counter() - t_start - rec.seconds("verify") - rec.drafts.seconds
-        self.planner.costs.add_host(plan.drafted, rec.host, n, cold)
+        self.planner.costs.add_host(plan.drafted, rec.host, len(plan.live), cold)
         return events
 
     def _plan(self) -> StepPlan:
@@ -457,8 +461,11 @@ class Engine:
                        dtype=np.int64)  # (n, m)
         self.ex.commit(idx, np.array(counts, dtype=np.int64))
         self.proposer.advance(live, out, results, drafts, plan.sizes)
-        width = drafts.width
-        return StepRecord(plan, drafts, results, [CallTime("verify", len(live), width, t_verify)])
+        n = len(live)
+        calls = [CallTime("verify", n, drafts.width, t_verify)]
+        if plan.drafted:  # (its drafter calls, timed by the proposer as one)
+            calls.append(CallTime("draft", n, drafts.calls, drafts.seconds))
+        return StepRecord(plan, drafts, results, calls)
 
     def _emit_step(self, rec: StepRecord) -> list:
         """Each row's statistics, gains (the policy's) and watchers, then its tokens emitted."""
@@ -524,7 +531,7 @@ class Engine:
         return events
 
     def _plain_loop(self, run, rec: PlainRecord, t_start: float) -> list:
-        """The run's steps until one ends it (:meth:`_run_ends`); fills ``rec``. Returns the events of rows
+        """The run's steps until one ends it; fills ``rec``. Returns the events of rows
         with stop strings, said token by token (their text is matched each step)."""
         live = rec.live
         roots = [0 if r is None else r.root for r in live]  # a prefilling row computes a column it never keeps
@@ -539,12 +546,15 @@ class Engine:
         eos = set().union(*(r.eos for r in live if r is not None))  # any row's: a step's one set lookup
         deadline = min((r.deadline for r in (*live, *self._waiting) if r is not None and r.deadline is not None),
                        default=None)
+        end, most, got = t_start + self.config.plain_run_s, run.steps, rec.tokens
+        t_verify = 0.0  # (locals in the loop: a step of a tiny model is ~0.1 ms, its Python counts)
         while True:
             t0 = time.perf_counter()
-            out = run.step(roots) if not rec.steps else run.again()  # the next ones moved on in place
+            out = run.step(roots) if not got else run.again()  # the next ones moved on in place
             t1 = time.perf_counter()
-            rec.verify += t1 - t0
-            rec.first = rec.first if rec.steps else t1 - t0
+            t_verify += t1 - t0
+            if not got:
+                rec.first = t1 - t0
             row = None
             if greedy:
                 with contextlib.suppress(NonFiniteLogitsError):  # (a row's: found by its sampler below)
@@ -553,9 +563,11 @@ class Engine:
             if row is None:  # a row whose sampling fails ends alone (_request_failed), and the run with it
                 row, ends = self._plain_tokens(live, out, roots, by_token, said)
                 run.feed(row)
-            rec.tokens.append(row)
-            rec.steps += 1
-            stop = ends or self._run_ends(rec, run.steps, t1, t_start + self.config.plain_run_s, deadline)
+            got.append(row)
+            # a row that ends, the run's steps or time, a request that arrives or is cancelled (here or in
+            # a caller's queue: interrupt), a deadline, a watcher that started: the run ends after this step
+            stop = (ends or len(got) >= most or t1 >= end or self._incoming or self._cancels or self._interrupt
+                    or (deadline is not None and t1 >= deadline) or (not rec.watchers and self.watchers))
             if each or (drafts and stop):
                 # the drafter state follows the step (Medusa's only a run's last, whose outputs these are;
                 # a run ended by an error keeps the state before it: a worse draft, never a wrong token)
@@ -564,15 +576,10 @@ class Engine:
             roots = row
             if stop:
                 self._interrupt = False
+                rec.steps, rec.verify = len(got), t_verify
                 return said
             if adaptive:
                 self.planner.planned_plain()  # the next step is one the policy already decided
-
-    def _run_ends(self, rec: PlainRecord, most: int, now: float, end: float, deadline: float | None) -> bool:
-        """A plain run ends after this step: its steps, its time, a request that arrives or is cancelled
-        (here or in a caller's queue: interrupt), a deadline, a watcher that started during it."""
-        return bool(rec.steps >= most or now >= end or self._incoming or self._cancels or self._interrupt
-                    or (deadline is not None and now >= deadline) or (not rec.watchers and self.watchers))
 
     def _plain_tokens(self, live: list, out: dict, roots: list, by_token: list, said: list):
         """One plain step's tokens, each row's sampler choosing as the general path's one-node
@@ -580,8 +587,7 @@ class Engine:
         grow their text (``said[b]``: their events). Returns (tokens, a row ended)."""
         row, ends = [0] * len(live), False
         tree = root_only()
-        picks = [None if r is None else (r.sampler, tree, np.array(roots[b : b + 1], dtype=np.int64))
-                 for b, r in enumerate(live)]
+        picks = [None if r is None else (r.sampler, tree, roots[b : b + 1]) for b, r in enumerate(live)]
         for b, got in enumerate(self.ex.select(out, picks)):  # every row's token first
             if isinstance(got, BaseException):  # this request's own: it ends alone, its row feeds a 0
                 self._request_failed(live[b], got)

@@ -152,6 +152,10 @@ class HostModel:
         kv.reserve_columns(columns)
         return self._graph(columns, s, kv.n == 1 and kv.lens[0] > 0).bound_on(kv, s)
 
+    def verify(self, kv, trees: list, tokens: list) -> dict:
+        """Row b of ``kv`` verifies ``trees[b]`` with ``tokens[b]`` after its length (:func:`verify_with`)."""
+        return verify_with(self, kv, trees, tokens)
+
     def presents(self, out: dict) -> list | None:
         """The base's ``present.*`` in layer order; None when the graph wrote them in place."""
         if self._in_place is not None:
@@ -200,7 +204,7 @@ class HostModel:
         return self._in_place
 
 
-def verify(model, kv, trees: list, tokens: list) -> dict:
+def verify_with(model, kv, trees: list, tokens: list) -> dict:
     """``model.verify_trees``, or where the graphs take no bound call the same inputs made for this call
     and run through ``model.base_forward``: every decode step's verify (the engine's, the tuner's)."""
     out = model.verify_trees(kv, trees, tokens)
@@ -214,9 +218,6 @@ def verify(model, kv, trees: list, tokens: list) -> dict:
         k = len(cand)
         ids[b, :k], depth[b, :k], tmask[b, :k, :k] = cand, tree.depth, tree.mask
     return model.base_forward(kv, ids, kv.lens[:n, None] + depth, tmask)
-
-
-HostModel.verify = verify
 
 
 class HostExecutor:
@@ -275,12 +276,6 @@ class HostExecutor:
             got |= {"drafter_kv_budget_bytes": self.draft_kv.budget_bytes,
                     "drafter_kv_allocated_bytes": self.draft_kv.allocated_bytes}
         return got
-
-    def room(self) -> int:
-        return self.kv.limit - self.kv.top()
-
-    def lengths(self) -> np.ndarray:
-        return self.kv.lens[: self.kv.n]
 
     # ------------------------------------------------------------------ base
     def prefill(self, first: int, ids, pos, mask) -> dict:
@@ -373,15 +368,10 @@ class _BoundRun:
     def __init__(self, call, steps: int, lens: np.ndarray):
         self.call, self.steps, self.lens = call, steps, lens
         self.outputs = call.outputs
+        self.again, self.greedy = call.again, call.greedy  # the bound call's own: no frame of ours a step
 
     def step(self, roots) -> dict:
         return self.call.step(roots, self.lens)
-
-    def again(self) -> dict:
-        return self.call.again()
-
-    def greedy(self) -> np.ndarray:
-        return self.call.greedy()
 
     def feed(self, tokens) -> None:
         self.call.ids[:, 0] = tokens

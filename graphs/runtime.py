@@ -38,7 +38,7 @@ import numpy as np
 from graphs.adaptive import Costs, Planner
 from graphs.engine import Engine, EngineConfig
 from graphs.errors import InputError
-from graphs.host import HostExecutor, HostModel, verify
+from graphs.host import HostExecutor, HostModel, verify_with
 from graphs.manifest import Manifest
 from graphs.params import GenerationParams, Resolved, check_prompt
 from graphs.requests import RequestMaker, is_batch
@@ -55,7 +55,7 @@ class Decoder:
     graph calls (``base``, ``draft``, ``min_rows``, ``base_forward``, ``plain_step`` ...: tune, benchmarks)
     are its model's; ``eos``, ``tokenizer``, ``resolve``, ``new_request``, ``decode`` its request maker's."""
 
-    verify = verify  # (the tuner times a verify through it)
+    verify = verify_with  # (the tuner times a verify through it: on any object with verify_trees, base_forward)
 
     def __init__(self, out_dir, provider: str = "auto", threads: int | None = None, optimization: str = "all",
                  verify: bool = True, io_binding: bool | None = None, device_id: int = 0, session_options=None,

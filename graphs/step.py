@@ -56,9 +56,9 @@ class RowResult:
 
 @dataclass
 class CallTime:
-    kind: str  # "prefill" | "verify" | "draft" | "plain"
+    kind: str  # "verify" | "draft"
     rows: int  # batch rows
-    width: int  # tokens per row
+    width: int  # tokens per row (a draft: the drafter's calls)
     seconds: float
     cold: bool = False  # right after a call of another kind (graphs.adaptive.Costs leaves it out)
 

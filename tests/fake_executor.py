@@ -83,11 +83,8 @@ class FakeExecutor:
     def memory(self) -> dict:
         return {"kv_budget_bytes": self.kv.budget_bytes, "kv_allocated_bytes": self.kv.allocated_bytes}
 
-    def room(self) -> int:
+    def room(self) -> int:  # (the fake's own: how many plain steps a run may take)
         return self.kv.limit - self.kv.top()
-
-    def lengths(self) -> np.ndarray:
-        return self.kv.lens[: self.kv.n]
 
     # ---------------------------------------------------------------- base
     def _cached(self, b: int, col: int) -> int:

@@ -218,3 +218,98 @@ def test_a_long_prefill_is_chunked_beside_decoding_rows():
     decoded = [w for k, _, w in ex.calls if k in ("plain", "verify")]
     assert len(decoded) >= 10  # the short one decoded while the long one's chunks came in
     assert max(w for k, _, w in ex.calls if k == "prefill") <= 4  # the long prompt came in chunks
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduling tests that ran on a trained export (tests/test_engine.py) and need no graph at all
+
+
+def test_a_long_prefill_does_not_stall_the_others():
+    engine, _, _ = fake_engine(EngineConfig(max_batch=4, prefill_chunk=8, step_tokens=16, max_len=128))
+    a = engine.add_request(PROMPTS[3], max_new_tokens=30)
+    while engine.request(a).state != "decoding":
+        engine.step()
+    b = engine.add_request((PROMPTS[1] * 10)[:80], max_new_tokens=4)
+    steps = 0
+    while engine.request(b) is not None and not engine.request(b).tokens:
+        events = engine.step()
+        steps += 1
+        assert any(e.request_id == a for e in events), "the decoding request got nothing this step"
+    assert steps >= 80 // 16  # the long prompt's prefill took several steps (chunks within the budget)
+
+
+def test_remove_request_frees_the_row_at_once():
+    engine, _, _ = fake_engine(EngineConfig(max_batch=2))
+    ids = [engine.add_request(p, max_new_tokens=20) for p in PROMPTS[:3]]
+    engine.step()
+    assert engine.memory()["rows_used"] == 2 and engine.memory()["waiting"] == 1
+    assert engine.remove_request(ids[0])
+    assert engine.memory()["rows_used"] == 1  # freed now, not at the next step
+    assert not engine.remove_request(ids[0]) and not engine.remove_request(12345)
+    events = engine.step()
+    assert any(e.request_id == ids[0] and e.finish_reason == "cancelled" for e in events)
+    assert engine.memory()["rows_used"] == 2  # the waiting request took the row
+    got = drive(engine)
+    assert got[ids[2]][0][-5:] == reference(PROMPTS[2], 20)[-5:]
+
+
+def test_admission_errors_name_the_limit():
+    engine, _, _ = fake_engine(EngineConfig(max_batch=1, max_waiting=1, max_len=32))
+    engine.add_request(PROMPTS[0], max_new_tokens=5)  # takes the free row at the next step
+    engine.add_request(PROMPTS[1], max_new_tokens=5)  # waits: one may
+    with pytest.raises(CapacityError, match="max_waiting"):
+        engine.add_request(PROMPTS[2])
+    with pytest.raises(InputError, match="max_len of 32"):
+        engine.add_request(list(range(3, 40)))
+    with pytest.raises(InputError, match="unknown speculation"):
+        engine.add_request(PROMPTS[0], speculation="sometimes")
+    with pytest.raises(InputError, match="deadline_s"):
+        engine.add_request(PROMPTS[0], deadline_s=-1)
+    drive(engine)
+    late = engine.add_request(PROMPTS[2], max_new_tokens=30, deadline_s=1e-9)
+    assert [e.finish_reason for e in engine.step() if e.request_id == late] == ["deadline"]
+    with pytest.raises(InputError, match="max_len"):
+        fake_engine(EngineConfig(max_len=10**9))
+
+
+def test_requests_from_other_threads():
+    """One thread drives step(); four others add and cancel requests: every request ends, greedy
+    ones with the model's tokens."""
+    import threading
+
+    engine, _, _ = fake_engine(EngineConfig(max_batch=3, prefill_chunk=4))
+    added: dict[int, int] = {}
+    lock, stop = threading.Lock(), threading.Event()
+    done: dict[int, list] = {}
+    finish: dict[int, str] = {}
+
+    def driver():
+        while not stop.is_set() or engine.has_pending_requests():
+            for e in engine.step():
+                done.setdefault(e.request_id, []).extend(e.token_ids)
+                if e.finish_reason:
+                    finish[e.request_id] = e.finish_reason
+
+    def client(k):
+        rng = np.random.default_rng(k)
+        for _ in range(6):
+            p = int(rng.integers(0, len(PROMPTS)))
+            rid = engine.add_request(PROMPTS[p], max_new_tokens=10)
+            with lock:
+                added[rid] = p
+            if rng.random() < 0.3:
+                engine.remove_request(rid)
+
+    d = threading.Thread(target=driver)
+    d.start()
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(timeout=60)
+    stop.set()
+    d.join(timeout=120)
+    assert not d.is_alive() and set(finish) == set(added)
+    for rid, p in added.items():
+        want, got = reference(PROMPTS[p], 10), done.get(rid, [])
+        assert got == want if finish[rid] != "cancelled" else got == want[: len(got)]
