@@ -127,7 +127,7 @@ def main(argv=None) -> int:
             prompt_lookup=args.prompt_lookup, optimum_python=args.optimum_python,
             load_options=_load_options(args.load_option), sweep=args.sweep, work=args.work, logs=args.logs,
             tune=args.tune, also=tuple(args.also))
-        report = bench(args.out_dir, opts, log=lambda *a: print(*a, file=sys.stderr))
+        report = bench(args.out_dir, opts, log=lambda *a, **k: print(*a, file=sys.stderr, flush=True))
         for e in report["systems"]:
             print(R.line(e, report["anchor"]))
         for text in R.category_lines(report):

@@ -186,7 +186,7 @@ def rerun(out_dir: Path, report: dict, threads: int | None) -> dict:
                         repeats=1, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], seed=s["seed"],
                         threads=threads, peers=())
     print(f"  rerunning ours-ar and ours-spec on {out_dir} ({s['prompts']} prompts) for the check", flush=True)
-    return bench(out_dir, opts, log=lambda *a: None)
+    return bench(out_dir, opts, log=lambda *a, **k: None)
 
 
 def _tree_size(tree, kind: str) -> int:
