@@ -62,7 +62,6 @@ class HostModel:
         self.draft = session("draft")
         if eagle_draft not in DRAFT_MODES:
             raise InputError(f"unknown eagle_draft {eagle_draft!r}; accepted: {', '.join(DRAFT_MODES)}")
-        self.eagle_draft = eagle_draft
         # one-call EAGLE trees (graphs.eagle_draft): a session per baked (topk, depth, total_tokens)
         self.tree_sessions = {} if eagle_draft == "stepwise" else {r: session(r) for r in baked_trees(m).values()}
         self.drafter = m.drafter

@@ -62,7 +62,7 @@ class Request:
 class RequestMaker:
     """Checked requests for one export (its manifest, tokenizer and generation defaults)."""
 
-    def __init__(self, out_dir: Path, manifest, max_positions: int, adaptive: bool = True):
+    def __init__(self, out_dir: Path, manifest, max_positions: int, adaptive: bool = True, eagle_draft: str = "auto"):
         self.out_dir, self.manifest, self.max_positions = out_dir, manifest, max_positions
         m = manifest
         self.drafter = m.drafter
@@ -73,7 +73,7 @@ class RequestMaker:
         self.adaptive = bool(adaptive)
         self.adaptive_config: AdaptiveConfig | None = None  # the policy's settings (None: defaults)
         self.priors = Priors()  # mean gains per setting, shared by every engine (bounded: PRIORS_MAX)
-        self.eagle_draft = "auto"
+        self.eagle_draft = eagle_draft  # which graph drafts an EAGLE tree (graphs.eagle_draft.choose_graph)
         self.tokenizer = None
         if m.tokenizer:
             from tokenizers import Tokenizer

@@ -76,8 +76,7 @@ class Decoder:
         self._spare_lock = threading.Lock()
         self.model = HostModel(self.out_dir, m, self.provider, make_session, threads, optimization, device_id,
                                session_options, provider_options, eagle_draft, verify)
-        self.requests = RequestMaker(self.out_dir, m, self.model.max_positions, adaptive)
-        self.requests.eagle_draft = eagle_draft
+        self.requests = RequestMaker(self.out_dir, m, self.model.max_positions, adaptive, eagle_draft)
 
     def __getattr__(self, name):
         for part in ("model", "requests"):
