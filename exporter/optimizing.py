@@ -280,13 +280,14 @@ def write_one_sequence_graph(dst: Path, layers: int, q_heads: int, kv_heads: int
 
 
 def _attention_candidates(proto) -> int:
-    """Softmax nodes whose output feeds a MatMul: the eager attentions a graph should have fused."""
+    """Softmax nodes whose output feeds a MatMul (or a Slice: the DFlash drafter splits its softmax between
+    two value sets): the eager attentions a graph should have fused."""
     consumers: dict[str, list[str]] = {}
     for node in proto.graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node.op_type)
     return sum(1 for n in proto.graph.node if n.op_type == "Softmax"
-               and any(c in ("MatMul", "Cast") for c in consumers.get(n.output[0], [])))
+               and any(c in ("MatMul", "Cast", "Slice") for c in consumers.get(n.output[0], [])))
 
 
 def _rewire(proto, base_dir: Path, attention: bool):
@@ -368,7 +369,8 @@ def check_parity(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts
             continue
         try:
             rows = graph_parity(out_dir / manifest.graphs[role].file, tmp / specs[role].file, manifest.graphs[role],
-                                specs[role], atol, rtol, vocab=manifest.source["vocab_size"], strict=strict)
+                                specs[role], atol, rtol, vocab=manifest.source["vocab_size"], strict=strict,
+                                **dflash_feeds(out_dir, manifest, role))
         except Exception as e:
             report["graphs"][role] = _not_on_cpu(e, role, opts, log)
             continue
@@ -388,6 +390,22 @@ def check_parity(out_dir: Path, tmp: Path, manifest: Manifest, specs: dict, opts
             raise UserError(f"optimized {role} graph disagrees with the raw one: {r.output} in case {r.case} max abs "
                             f"error {r.max_abs:.3g} > {r.limit:.3g}; the export is untouched")
     return report
+
+
+def dflash_feeds(out_dir: Path, manifest: Manifest, role: str) -> dict:
+    """``graph_parity``'s keywords for ``role``: for a DFlash draft graph, its own calls
+    (:func:`exporter.passes.parity.dflash_parity_feeds`: the export check's, at batch 2 with a cache,
+    holes and the block mask; random base-graph feeds do not fit its contract), else none."""
+    spec = manifest.graphs[role]
+    if C.CONTEXT_POSITION_IDS not in spec.input_names:
+        return {}
+    from exporter.passes.parity import dflash_parity_feeds
+    from graphs.sessions import make_session
+
+    raw = make_session(out_dir / spec.file, "cpu", 1)
+    feeds = dflash_parity_feeds(out_dir / manifest.graphs["base"].file, manifest.graphs["base"], raw, spec,
+                                manifest.drafter, manifest.source["vocab_size"])
+    return {"feeds": feeds, "raw_session": raw}
 
 
 def rows_provider(opts: OptimizeOptions) -> str:

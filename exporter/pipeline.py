@@ -428,6 +428,12 @@ def _retune(out_dir: Path, options, manifest: Manifest, budget_s: float, prompts
     if not manifest.drafter:
         log("tune: no drafter in this export, no tree to tune", flush=True)
         return {"skipped": "no drafter"}
+    from exporter.tuning import untunable
+
+    why = untunable(manifest.drafter)
+    if why:  # the optimized export stands; its default tree is the untuned one
+        log(f"tune: skipped, {why}", flush=True)
+        return {"skipped": why}
     provider = options.target
     if TARGETS[provider] not in ort.get_available_providers():
         log(f"tune: skipped, this machine has no {TARGETS[provider]}; on the {provider} machine run "
@@ -458,6 +464,9 @@ def tune_export(out_dir, prompts: list[str] | None = None, provider: str = "cpu"
     out_dir = Path(out_dir).absolute()
     t_start = time.perf_counter()
     first = _read_export(out_dir)
+    why = tuning.untunable(first.drafter)
+    if why:
+        raise UserError(f"{out_dir}: {why}")
     if prompts is not None:
         prompts = list(prompts)
         if not any(isinstance(p, str) and p.strip() for p in prompts):

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 import graphs
+from exporter.errors import UserError
 from graphs import contract as C
 from graphs.adaptive import counterfactual_gain
 from graphs.eagle_draft import baked_trees
@@ -45,6 +46,20 @@ WARM, TIMED = 4, 2  # measure_verify: calls per size and round before timing, an
 # measure_verify: a call this slow makes the switch cost (~0.5 ms) noise: one untimed call, one timed
 # (else a 7B model's 64-token verify at ~1 s would take the tuner 6 x 7 x 15 calls)
 SLOW_CALL_S = 0.02
+
+
+TUNABLE = ("medusa", "eagle")  # the drafter kinds whose trees steps 1-4 measure
+
+
+def untunable(drafter: dict | None) -> str | None:
+    """Why the tree of an export with ``drafter`` (the manifest's entry) is not tuned here, or None.
+    DFlash: the engine has no DFlash proposer yet (it decodes such an export without drafts, so
+    nothing would measure a tree); the manifest's default tree (the chain) stays until it does."""
+    kind = (drafter or {}).get("kind")
+    if kind is None or kind in TUNABLE:
+        return None
+    return (f"the tuner measures {' and '.join(TUNABLE)} trees, not yet a {kind} drafter's (the engine's {kind} "
+            f"proposer comes first); the manifest's default tree stays")
 
 
 # ------------------------------------------------------------------ measurements
@@ -238,6 +253,9 @@ def choose_tree(dec, ids: list[list[int]], *, out_dir, threads: int | None, budg
     """Steps 1-3: measure the export ``dec`` was loaded from and pick the fastest tree; returns the
     report (``best``; ``winner``: Medusa paths or an EAGLE (topk, depth, total_tokens); ``bake``: the
     EAGLE winner when it is to be baked as a new one-call graph, else None)."""
+    why = untunable(dec.manifest.drafter)
+    if why:
+        raise UserError(f"{out_dir}: {why}")
     t_start = time.perf_counter()
     log(f"[1/4] verify cost against tree size ({len(VERIFY_SIZES)} sizes)", flush=True)
     verify = measure_verify(dec, ids[0])

@@ -53,6 +53,7 @@ from exporter.distance import (
 )
 from exporter.errors import UserError
 from exporter.hf_reference import causal_bool_mask, hf_base_cases
+from exporter.passes.parity import as_inplace_dflash_feed, dflash_feeds
 from exporter.plan import build_plan, is_traced, is_tree_role, parse_tree_role
 from exporter.trace import flatten_kv, graph_module
 from graphs import contract as C
@@ -176,7 +177,9 @@ def draft_cases(model, specs, seed: int = 0) -> list[tuple[str, list[torch.Tenso
 def dflash_cases(model, base_spec: C.GraphSpec, g: torch.Generator) -> list[tuple[str, list[torch.Tensor]]]:
     """The DFlash draft graph at batch 2: a first call (no cache; sequence 1 has 2 context rows fewer,
     masked) and a second over that cache (P = 5, sequence 1's last two cached columns holes), each with
-    A new context rows (the base's own target-layer features) and a block [anchor, mask x (b-1)]."""
+    A new context rows (the base's own target-layer features) and a block [anchor, mask x (b-1)].
+    The calls are :func:`exporter.passes.parity.dflash_feeds` (the optimize gate runs the same ones),
+    fed here by the PyTorch base and drafter."""
     dm = model.dflash_module
     b, mask_id = dm.block_size, dm.mask_token_id
     vocab = base_spec.output(C.LOGITS).dims[-1]
@@ -188,30 +191,16 @@ def dflash_cases(model, base_spec: C.GraphSpec, g: torch.Generator) -> list[tupl
         aux = graph_module(model, "base")(ids, torch.arange(n).expand(2, n), tree_mask(list(range(-1, n - 1)))
                                           .expand(2, 1, n, n), *empty)[2]  # (2, n, n_aux*H)
     draft = graph_module(model, "draft")
-    topk = torch.tensor([4])
 
-    def block(anchor_pos: list[int]):
-        toks = torch.full((2, b), mask_id, dtype=torch.long)
-        toks[:, 0] = torch.randint(0, vocab, (2,), generator=g)
-        return toks, torch.tensor(anchor_pos)[:, None] + torch.arange(b)
+    def first_presents(feed):
+        with torch.no_grad():
+            return [t.numpy() for t in draft(*map(torch.from_numpy, feed.values()))[3:]]
 
-    kv, hd, layers = dm.num_kv_heads, dm.head_dim, len(dm.layers)
-    a = 5
-    toks, pos = block([a, a - 2])  # sequence 1 holds 3 context rows: its anchor sits at position 3
-    mask = torch.ones(2, 1, b, a + b, dtype=torch.bool)
-    mask[1, :, :, a - 2 : a] = False
-    first = [aux[:, :a], torch.arange(a).expand(2, a).contiguous(), toks, pos, mask,
-             *flatten_kv(_empty_past(layers, 2, kv, hd)), topk]
-    with torch.no_grad():
-        out = draft(*first)
-    past = list(out[3:])
-    a2 = 2
-    toks, pos = block([a + a2, a - 2 + a2])
-    ctx_pos = torch.stack([torch.arange(a, a + a2), torch.arange(a - 2, a - 2 + a2)])
-    mask = torch.ones(2, 1, b, a + a2 + b, dtype=torch.bool)
-    mask[1, :, :, a - 2 : a] = False  # sequence 1's cache holes
-    second = [aux[:, a : a + a2], ctx_pos, toks, pos, mask, *past, topk]
-    return [("context_b2_holes", first), ("block_b2_past5", second)]
+    empty_draft = [x.numpy() for x in flatten_kv(_empty_past(len(dm.layers), 2, dm.num_kv_heads, dm.head_dim))]
+    feeds = dflash_feeds(aux.numpy(), empty_draft, block_size=b, mask_token_id=mask_id, vocab=vocab,
+                         first_presents=first_presents,
+                         randint=lambda high, shape: torch.randint(0, high, shape, generator=g).numpy())
+    return [(name, [torch.from_numpy(x) for x in feed.values()]) for name, feed in feeds]
 
 
 # ----------------------------------------------------------------------------- driver
@@ -240,26 +229,6 @@ def run_case(session, spec: C.GraphSpec, inputs: list[torch.Tensor]) -> list[np.
     feed, cut = (as_inplace_dflash_feed if C.CONTEXT_POSITION_IDS in spec.input_names else as_inplace_feed)(feed, spec)
     out = cut(dict(zip(spec.output_names, session.run(spec.output_names, feed))))
     return [out[n] for n in spec.output_names]
-
-
-def as_inplace_dflash_feed(feed: dict, spec: C.GraphSpec):
-    """:func:`graphs.kv.as_inplace_feed` for a DFlash draft graph written in place
-    (:func:`graphs.contract.inplace_dflash_spec`): each past (B, kv, P, hd) padded with A zero columns
-    (A: the new context rows), every row's A rows written at column P; the mask's P+A+S columns line up
-    with the buffer's P+A then the block's S. ``cut`` gives back each ``present.*`` as the A new rows."""
-    p = feed[C.past_key(0)].shape[2]
-    a = feed[C.AUX_HIDDEN].shape[1]
-    out = dict(feed)
-    for t in spec.inputs:
-        if t.name.startswith("past_key_values."):
-            x = feed[t.name]
-            out[t.name] = np.concatenate([x, np.zeros((*x.shape[:2], a, x.shape[3]), dtype=x.dtype)], axis=2)
-    out[C.KV_WRITE] = np.full(feed[C.AUX_HIDDEN].shape[0], p, dtype=np.int64)
-
-    def cut(outputs: dict) -> dict:
-        return {k: v[:, :, p : p + a] if k.startswith("present.") else v for k, v in outputs.items()}
-
-    return out, cut
 
 
 def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | None = None, *,

@@ -121,23 +121,34 @@ def rewritten_feed(feed: dict, new_spec: C.GraphSpec):
 
     cut = dict
     if C.kv_in_place(new_spec):
-        feed, cut = as_inplace_feed(feed, new_spec)
+        dflash = C.CONTEXT_POSITION_IDS in new_spec.input_names
+        feed, cut = (as_inplace_dflash_feed if dflash else as_inplace_feed)(feed, new_spec)
     new_feed = {t.name: feed[t.name].astype(t.dtype) if t.dtype.startswith("float") else feed[t.name]
                 for t in new_spec.inputs}
     return new_feed, cut
 
 
 def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, atol: float, rtol: float,
-                 vocab: int, strict: bool = True, threads: int = 1, cases=CASES, raw_session=None
+                 vocab: int, strict: bool = True, threads: int = 1, cases=CASES, raw_session=None, feeds=None
                  ) -> list[ParityRow]:
     """Run ``raw`` (float32, the exported trace) and ``new`` on every case; one row per output.
+    ``feeds``: ``(name, feed)`` pairs in the raw contract to run instead of random ``cases`` (the
+    DFlash draft graph's: :func:`dflash_parity_feeds`).
 
     ``strict=False`` (quantized graphs, a different model): only finiteness fails a row; the
     errors and top-1 agreement are reported. ``topk_ids`` is compared by agreement only (equal
     scores may come out in either order).
     """
     rows = []
-    for case, want, got in _paired_runs(raw, new, spec, new_spec, cases, random_feed, vocab, threads, raw_session):
+    make_feed = random_feed
+    if feeds is not None:  # given feeds, each as a case of its own name
+        given = dict(feeds)
+        cases = [Case(name, f[C.INPUT_IDS].shape[0], f[C.INPUT_IDS].shape[1], f[C.past_key(0)].shape[2])
+                 for name, f in given.items()]
+
+        def make_feed(spec, case, seed, vocab):
+            return given[case.name]
+    for case, want, got in _paired_runs(raw, new, spec, new_spec, cases, make_feed, vocab, threads, raw_session):
         for t in spec.outputs:
             w, g = want[t.name], got[t.name]
             w64, g64 = w.astype(np.float64), g.astype(np.float64)
@@ -296,3 +307,78 @@ def tree_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, 
             gate = strict_kv if name.startswith("present.") else strict
             rows.append(ParityRow(case.name, name, err, limit, None, sane and (not gate or err <= limit)))
     return rows
+
+
+# ----------------------------------------------------------------------------- the DFlash draft graph
+
+DFLASH_CONTEXT = (5, 2)  # context rows of the first and the second call; sequence 1 holds 2 fewer in the first
+
+
+def dflash_feeds(aux: np.ndarray, empty_past: list[np.ndarray], *, block_size: int, mask_token_id: int, vocab: int,
+                 randint, first_presents) -> list[tuple[str, dict[str, np.ndarray]]]:
+    """The DFlash draft graph's two calls at batch 2, in the raw contract (C.dflash_graph_spec), its
+    inputs in the contract's order: export's check (exporter.validate.dflash_cases) and the optimize
+    gate both run these, so both see the same calls.
+
+    ``aux`` (2, 7, n*H): the base's target-layer features of 7 positions. ``empty_past``: each past
+    input with no columns (2, kv, 0, d). ``randint(high, shape)``: the block's anchor tokens.
+    ``first_presents(feed)``: the first call's ``present.*`` (run by the caller's reference), which
+    the second call takes as its cache.
+
+    ``context_b2_holes``: no cache, 5 context rows; sequence 1 has 3 (its rows 3, 4 masked), its
+    anchor at position 3. ``block_b2_past5``: the cache of those 5 columns (sequence 1's last two
+    holes) and 2 new context rows each; every block [anchor, mask x (b-1)] sees its whole self."""
+    b, (a, a2) = block_size, DFLASH_CONTEXT
+    names = [(C.past_key if i % 2 == 0 else C.past_value)(i // 2) for i in range(len(empty_past))]
+
+    def call(features, ctx_pos, anchor_pos, columns, past):
+        toks = np.full((2, b), mask_token_id, dtype=np.int64)
+        toks[:, 0] = randint(vocab, (2,))
+        mask = np.ones((2, 1, b, columns), dtype=bool)  # (B, 1, S, P+A+S): cache | new context | block
+        mask[1, :, :, a - 2 : a] = False  # sequence 1's context rows 3, 4: never its own
+        return {C.AUX_HIDDEN: np.ascontiguousarray(features), C.CONTEXT_POSITION_IDS: ctx_pos.astype(np.int64),
+                C.INPUT_IDS: toks, C.POSITION_IDS: (np.asarray(anchor_pos)[:, None] + np.arange(b)).astype(np.int64),
+                C.ATTENTION_MASK: mask, **dict(zip(names, past)), C.TOPK_IN: np.array([4], dtype=np.int64)}
+
+    first = call(aux[:, :a], np.broadcast_to(np.arange(a), (2, a)).copy(), [a, a - 2], a + b, empty_past)
+    ctx_pos = np.stack([np.arange(a, a + a2), np.arange(a - 2, a - 2 + a2)])
+    second = call(aux[:, a : a + a2], ctx_pos, [a + a2, a - 2 + a2], a + a2 + b, list(first_presents(first)))
+    return [("context_b2_holes", first), ("block_b2_past5", second)]
+
+
+def dflash_parity_feeds(base: Path, base_spec: C.GraphSpec, draft_session, draft_spec: C.GraphSpec, drafter: dict,
+                        vocab: int, seed: int = 0) -> list[tuple[str, dict[str, np.ndarray]]]:
+    """:func:`dflash_feeds` from the raw graphs of an export: the features from the raw base (a causal
+    prefill of 7 random tokens at batch 2), the second call's cache from the raw draft graph
+    (``draft_session``) on the first call."""
+    from graphs.sessions import make_session
+
+    rng = np.random.default_rng(seed)
+    prefill = random_feed(base_spec, Case("prefill_b2_causal", 2, sum(DFLASH_CONTEXT), 0, chain=True), seed, vocab)
+    aux = make_session(base, "cpu", 1).run([C.AUX_HIDDEN], prefill)[0]
+    pasts = [t for t in draft_spec.inputs if t.name.startswith("past_key_values.")]
+    empty = [np.zeros((2, t.dims[1], 0, t.dims[3]), dtype=t.dtype) for t in pasts]
+    presents = [t.name for t in draft_spec.outputs if t.name.startswith("present.")]
+    return dflash_feeds(aux, empty, block_size=int(drafter["block_size"]), mask_token_id=int(drafter["mask_token_id"]),
+                        vocab=vocab, randint=lambda high, shape: rng.integers(0, high, shape, dtype=np.int64),
+                        first_presents=lambda feed: draft_session.run(presents, feed))
+
+
+def as_inplace_dflash_feed(feed: dict, spec: C.GraphSpec):
+    """:func:`graphs.kv.as_inplace_feed` for a DFlash draft graph written in place
+    (:func:`graphs.contract.inplace_dflash_spec`): each past (B, kv, P, hd) padded with A zero columns
+    (A: the new context rows), every row's A rows written at column P; the mask's P+A+S columns line up
+    with the buffer's P+A then the block's S. ``cut`` gives back each ``present.*`` as the A new rows."""
+    p = feed[C.past_key(0)].shape[2]
+    a = feed[C.AUX_HIDDEN].shape[1]
+    out = dict(feed)
+    for t in spec.inputs:
+        if t.name.startswith("past_key_values."):
+            x = feed[t.name]
+            out[t.name] = np.concatenate([x, np.zeros((*x.shape[:2], a, x.shape[3]), dtype=x.dtype)], axis=2)
+    out[C.KV_WRITE] = np.full(feed[C.AUX_HIDDEN].shape[0], p, dtype=np.int64)
+
+    def cut(outputs: dict) -> dict:
+        return {k: v[:, :, p : p + a] if k.startswith("present.") else v for k, v in outputs.items()}
+
+    return out, cut
