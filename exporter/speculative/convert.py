@@ -60,7 +60,7 @@ class SpeculativeModel:
         """Base logits; given ``labels``, the drafter's loss too. ``base_features``: what the drafter
         reads, from a cache of the frozen base (:mod:`exporter.speculative.training`): the post-norm
         hidden (B, L, H), or EAGLE-3's / DFlash's layers (B, L, n_aux*H); then the base does not run.
-        ``loss_vocab``: Medusa's loss over those token ids only (:func:`medusa_rows_loss`)."""
+        ``loss_vocab``: Medusa's and DFlash's loss over those token ids only."""
         if labels is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         if base_features is not None and self.spec_mode == "dflash":
@@ -80,7 +80,8 @@ class SpeculativeModel:
             loss = medusa_rows_loss(self.medusa_heads, hidden, masked, self.spec_config.medusa_loss_decay,
                                     loss_vocab)
         elif self.spec_mode == "dflash":
-            loss = dflash_loss(self.dflash_module, self.spec_config, self, (logits, aux), input_ids, valid)
+            loss = dflash_loss(self.dflash_module, self.spec_config, self, (logits, aux), input_ids, valid,
+                              loss_vocab)
         else:
             loss = eagle_loss(self.eagle_module, self.spec_config, self, (logits, hidden, aux), input_ids, valid)
         return CausalLMOutputWithPast(loss=loss, logits=logits)

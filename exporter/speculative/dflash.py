@@ -289,7 +289,8 @@ def block_hidden(module: DFlashModule, base, aux, input_ids, anchors, keep):
     return module.blocks(emb, pos, ctx_kv, ctx_ok, blk_ok, n_blocks=n)
 
 
-def dflash_loss(module: DFlashModule, cfg: DFlashConfig, base, base_out, input_ids, valid):
+def dflash_loss(module: DFlashModule, cfg: DFlashConfig, base, base_out, input_ids, valid,
+                vocab: torch.Tensor | None = None):
     """ModelOpt's DFlash loss (``HFDFlashModel.forward`` + ``_compute_loss``) on one batch.
 
     base_out = (logits (B, L, V) | None, aux features (B, L, n*H)); valid (B, L) bool: answer tokens.
@@ -299,6 +300,8 @@ def dflash_loss(module: DFlashModule, cfg: DFlashConfig, base, base_out, input_i
     distribution at anchor + k - 1 when its logits are given (``dflash_self_logit_distillation``),
     else hard cross-entropy (on self-distilled text the label is the base's argmax); the loss is
     sum(loss * w) / (sum(w) + 1e-6). Only the rows with a weight go through the (large) LM head.
+    ``vocab`` (sorted token ids): the softmax over those tokens only (the head's rows of them), a slot
+    whose target is outside weighing nothing; on a CPU the head is most of a step's cost.
     """
     logits_b, aux = base_out
     bsz, length = input_ids.shape
@@ -316,8 +319,15 @@ def dflash_loss(module: DFlashModule, cfg: DFlashConfig, base, base_out, input_i
     safe = labels_at.clamp(max=length - 1).view(bsz, n * b)
     targets = torch.gather(input_ids, 1, safe)  # (B, N*b)
     w = keep[..., None] & in_range & (offs > 0) & torch.gather(valid, 1, safe).view(bsz, n, b)  # (B, N, b)
+    head = base.lm_head.weight
+    if vocab is not None:  # targets as indices into vocab; outside it, no weight
+        index = torch.full((head.shape[0],), -1, dtype=torch.long, device=dev)
+        index[vocab] = torch.arange(len(vocab), device=dev)
+        targets = index[targets]
+        w = w & (targets >= 0).view(bsz, n, b)
+        head = head[vocab]
     rows = w.view(-1).nonzero().squeeze(1)  # (R,) into the flat B*N*b rows
-    logits = base.lm_head(hidden.reshape(-1, hidden.shape[-1])[rows]).float()  # (R, V)
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1])[rows], head).float()  # (R, V or len(vocab))
     hard = F.cross_entropy(logits, targets.view(-1)[rows], reduction="none")  # (R,)
     weight = w.float()
     if cfg.dflash_loss_objective == "dpace" and b > 1:
@@ -336,7 +346,8 @@ def dflash_loss(module: DFlashModule, cfg: DFlashConfig, base, base_out, input_i
     if logits_b is not None and cfg.dflash_self_logit_distillation:
         teacher_pos = (safe - 1).clamp(min=0).view(-1)[rows]  # the base's distribution of token anchor+k
         batch = torch.arange(bsz, device=dev).repeat_interleave(n * b)[rows]
-        teacher = F.softmax(logits_b[batch, teacher_pos].float(), dim=-1)  # (R, V)
+        teacher_logits = logits_b[batch, teacher_pos].float()  # (R, V)
+        teacher = F.softmax(teacher_logits if vocab is None else teacher_logits[:, vocab], dim=-1)
         per = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1)
     return (per * w_rows).sum() / total
 

@@ -70,7 +70,7 @@ class TrainingConfig:
     learning_rate: float = 2e-3
     draft_vocab_size: int | None = 8192
     """EAGLE-3: the drafter's own head covers the base's most frequent answer tokens (d2t maps back).
-    Medusa: the heads' training loss runs over those tokens only; the exported heads keep the whole
+    Medusa, DFlash: the training loss runs over those tokens only; the exported heads keep the whole
     vocabulary (the projection over it is most of a training step's cost on a CPU)."""
     heldout_fraction: float = 0.1
     """Examples kept out of training, whose acceptance the report gives by category."""
@@ -361,9 +361,9 @@ def set_draft_vocab(model, examples: list[Example]) -> float:
 
 
 def loss_vocab(model, examples: list[Example], cfg: TrainingConfig) -> tuple[torch.Tensor | None, float | None]:
-    """Medusa: the tokens its training loss runs over (``cfg.draft_vocab_size``), and their coverage."""
+    """Medusa, DFlash: the tokens the training loss runs over (``cfg.draft_vocab_size``), and their coverage."""
     vocab = model.get_output_embeddings().weight.shape[0]
-    if cfg.mode != "medusa" or not cfg.draft_vocab_size or cfg.draft_vocab_size >= vocab:
+    if cfg.mode not in ("medusa", "dflash") or not cfg.draft_vocab_size or cfg.draft_vocab_size >= vocab:
         return None, None
     return frequent_answer_tokens(examples, cfg.draft_vocab_size, vocab)
 
@@ -387,7 +387,7 @@ def time_one_step(model, train: FeatureCache, cfg: TrainingConfig, collator: Fea
 def train_drafter(model, train: FeatureCache, cfg: TrainingConfig, work_dir, deadline: float | None = None,
                   log: Callable[[str], None] = print, vocab: torch.Tensor | None = None) -> dict:
     """Train the converted ``model``'s drafter on ``train`` with a HF ``Trainer`` (the base stays frozen);
-    ``vocab``: Medusa's loss vocabulary (:func:`loss_vocab`)."""
+    ``vocab``: the loss vocabulary of Medusa and DFlash (:func:`loss_vocab`)."""
     collator = FeatureCollator(vocab)
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
@@ -479,7 +479,8 @@ def heldout_acceptance(model, held: FeatureCache, depth: int = 3) -> dict:
 
 
 @torch.no_grad()
-def dflash_heldout_acceptance(model, held: FeatureCache, topk: int = 4, tree_sizes=None) -> dict:
+def dflash_heldout_acceptance(model, held: FeatureCache, topk: int = 4, tree_sizes=None,
+                              max_anchors: int = 600) -> dict:
     """A DFlash drafter's greedy acceptance on held-out answers, by category: each answer token t (the
     base's own greedy text, so a draft is accepted iff it is the next token) anchors one block.
 
@@ -490,7 +491,8 @@ def dflash_heldout_acceptance(model, held: FeatureCache, topk: int = 4, tree_siz
     probability (:func:`graphs.dflash_tree.block_tree`), and ``tau_static_tree[T]`` for the static tree
     of the measured acceptance (``acceptance_by_slot_rank[s][r]``: how often slot s's rank-r token is
     right given the top-1 drafts before it were, :func:`graphs.trees.medusa_paths_from_acceptance`; in
-    sample here, so optimistic) filled with each block's top-k (docs/dflash.md, R7)."""
+    sample here, so optimistic) filled with each block's top-k (docs/dflash.md, R7). At most about
+    ``max_anchors`` anchors, evenly strided over every answer: each is a block through the full LM head."""
     import numpy as np
 
     from exporter.speculative.dflash import dflash_block_topk
@@ -500,8 +502,10 @@ def dflash_heldout_acceptance(model, held: FeatureCache, topk: int = 4, tree_siz
     b = model.dflash_module.block_size
     sizes = tuple(tree_sizes or (b, 2 * b))
     blocks = []  # (category, root token, top ids (b-1, K), top log-probs, truth)
+    total = sum(max(len(e.ids) - 1 - max(len(e.prompt), 1), 0) for e in held.examples)
+    stride = max(1, -(-total // max_anchors))
     for e, f in zip(held.examples, held.features):
-        anchors = list(range(max(len(e.prompt), 1), len(e.ids) - 1))
+        anchors = list(range(max(len(e.prompt), 1), len(e.ids) - 1, stride))
         if anchors:
             ids, lp = dflash_block_topk(model, f[None].float(), torch.tensor([e.ids]), anchors, topk)
             blocks += [(e.category, e.ids[t], ids[j].numpy(), lp[j].numpy(), e.ids[t + 1 : t + b])
