@@ -11,7 +11,8 @@ one row per request) and runs the graphs on it. The engine and the proposers tal
     select    select(outputs, picks) -> per row (accepted nodes, bonus) or the row's own exception
     commit    commit(idx, counts, first): after either call, row b keeps its new ``idx[b, :counts[b]]``
     plain     plain_run(most) -> a bound run of one-token steps (or None: verify a root-only tree)
-    draft     draft_heads (Medusa), draft_step / draft_tree (EAGLE) on the drafter's K/V ``draft_kv``
+    draft     draft_heads (Medusa), draft_step / draft_tree (EAGLE), draft_block (DFlash) on the
+              drafter's K/V ``draft_kv``
 
 Implementations: :class:`graphs.host.HostExecutor` (numpy K/V, ONNX Runtime on host buffers) and the
 tests' fake (scripted logits, no ONNX files). A device executor keeps the same calls over
@@ -30,13 +31,15 @@ import numpy as np
 class ModelInfo:
     """What the engine and the proposers read about the model behind an executor."""
 
-    kind: str | None  # the drafter: "medusa" | "eagle" | None
+    kind: str | None  # the drafter: "medusa" | "eagle" | "dflash" | None
     pad: int  # token id fed to padding positions
     vocab: int
     max_positions: int  # the context limit (the sliding window's, where smaller)
     dtype: np.dtype  # of the graphs' floating inputs and outputs (features, K/V)
     feature: str = "hidden_states"  # the base output EAGLE's drafter reads (graphs.contract names)
     feature_dim: int = 0
+    block_size: int = 0  # DFlash: the block's slots (root + block_size - 1 drafts)
+    mask_token_id: int = 0  # DFlash: the token fed to the block's drafted slots
 
 
 class PlainRun(Protocol):
@@ -71,6 +74,11 @@ class Executor(Protocol):
                    starts: np.ndarray | None = None) -> dict: ...
     def draft_tree(self, role: str, feed: dict, starts: np.ndarray) -> dict: ...
     def draft_in_place(self, role: str) -> bool: ...
+    def draft_block(self, feats, ctx_pos, ids, pos, past, new, topk: int, starts: np.ndarray) -> dict: ...
+    # DFlash: every occupied row's A new context rows (feats (n, A, F) at ctx_pos (n, A); ``new`` (n, A)
+    # which are real) join ``draft_kv`` at columns ``starts``, its block ids/pos (n, S) sees ``past``
+    # (n, P) the cached columns, the real new rows and the whole block -> topk_ids / topk_logprobs
+    # (n, S-1, topk), and ``present.*`` (n, kv, A, d) where the graph does not write them in place
 
 
 def select_on_host(logits: np.ndarray, picks: list) -> list:
