@@ -68,7 +68,7 @@ from graphs import emit
 from graphs.adaptive import IDLE, SPEC_ADAPTIVE, SPEC_OFF, SPEC_ON, AdaptiveConfig, Planner, root_only
 from graphs.errors import CapacityError, InputError, NonFiniteLogitsError
 from graphs.params import GenerationParams, Resolved
-from graphs.proposers import Eagle, Medusa, Plain
+from graphs.proposers import DFlash, Eagle, Medusa, Plain
 from graphs.requests import DECODING, DONE, PREFILL, WAITING, Request
 from graphs.results import RequestEvent, Stats
 from graphs.step import CallTime, Drafts, PlainRecord, Proposal, RowResult, StepPlan, StepRecord
@@ -77,6 +77,7 @@ from graphs.trees import Tree
 # Plain steps one run may take at most: the K/V room a run reserves ahead (its rows grow as they
 # fill, not to their whole length at once); a tiny model's 0.1 ms steps fill plain_run_s with fewer.
 PLAIN_RUN_MAX = 64
+PROPOSERS = {"medusa": Medusa, "eagle": Eagle, "dflash": DFlash}  # the drafter kind's proposer
 _MODES = {"off": SPEC_OFF, "on": SPEC_ON, "adaptive": SPEC_ADAPTIVE}
 # Per-step accepted lengths an engine's totals keep (Stats.accepted): a server's engine lives for
 # days; the histogram (Stats.accepted_counts) and so the mean stay exact over every step.
@@ -154,8 +155,8 @@ class Engine:
         self.ex = make_executor(cfg.max_batch, self.max_len, cfg.max_tree)
         self.keep_kv = keep_kv
         self.plain = Plain(self.ex)
-        kind = self.ex.info.kind
-        self.proposer = Medusa(self.ex) if kind == "medusa" else Eagle(self.ex) if kind == "eagle" else self.plain
+        proposer = PROPOSERS.get(self.ex.info.kind)
+        self.proposer = proposer(self.ex) if proposer else self.plain
         self.planner = planner or Planner()
         self.watchers = watchers if watchers is not None else []
         # what the last call was ("prefill", "plain" or "drafted"): a decode step of the other kind
@@ -195,7 +196,7 @@ class Engine:
 
     def add(self, req: Request, deadline_s: float | None = None) -> int:
         """Queue a request made by :meth:`graphs.requests.RequestMaker.new_request`; returns its id. Any thread."""
-        if isinstance(req.tree, dict) and req.tree_role is None:  # step-wise EAGLE: its temporary rows
+        if isinstance(req.tree, dict) and "depth" in req.tree and req.tree_role is None:  # step-wise EAGLE
             need = max(req.tree_size, req.tree["topk"] * req.tree["depth"])
         else:
             need = req.tree_size

@@ -18,7 +18,7 @@ from graphs.integrity import recheck
 from graphs.kv import inplace_mask
 from graphs.schema import check_session, load_graph
 from graphs.sessions import BoundArrays, InPlaceRun, LazySession
-from graphs.slots import SlotCache, attention_mask
+from graphs.slots import SlotCache, attention_mask, block_mask
 
 
 class HostModel:
@@ -89,10 +89,11 @@ class HostModel:
         self.max_positions = int(min([x for x in limits if x] or [1 << 30]))
 
     def info(self) -> ModelInfo:
-        feat = C.AUX_HIDDEN if self.drafter and self.drafter.get("eagle3") else C.HIDDEN
-        dim = self.base_spec.output(feat).dims[-1] if self.kind == "eagle" else 0
+        d = self.drafter or {}
+        feat = C.AUX_HIDDEN if d.get("eagle3") or self.kind == "dflash" else C.HIDDEN
+        dim = self.base_spec.output(feat).dims[-1] if self.kind in ("eagle", "dflash") else 0
         return ModelInfo(self.kind, self.pad, self.manifest.source["vocab_size"], self.max_positions, self.dtype,
-                         feat, dim)
+                         feat, dim, int(d.get("block_size", 0)), int(d.get("mask_token_id", 0)))
 
     @property
     def lends_kv(self) -> bool:
@@ -237,7 +238,7 @@ class HostExecutor:
         self.kv = kv
         self.draft_kv = None
         self._draft_in_place: dict = {}
-        if m.kind == "eagle":
+        if m.kind in ("eagle", "dflash"):  # the drafter's own K/V: one row per request
             d = m.drafter
             self.draft_kv = SlotCache(d["num_layers"], slots, d["num_kv_heads"], d["head_dim"], m.dtype, max_len,
                                       headroom=headroom)
@@ -349,6 +350,16 @@ class HostExecutor:
         m = self.model
         return self._draft_call(role, m.tree_sessions[role], m.manifest.graphs[role], list(TREE_OUTPUTS), feed,
                                 starts)
+
+    def draft_block(self, feats, ctx_pos, ids, pos, past, new, topk: int, starts: np.ndarray) -> dict:
+        """One DFlash drafter call over every occupied row of ``draft_kv`` (graphs.executor.Executor)."""
+        m = self.model
+        s = ids.shape[1]
+        in_place = self.draft_in_place("draft")
+        feed = {C.AUX_HIDDEN: feats, C.CONTEXT_POSITION_IDS: ctx_pos, C.INPUT_IDS: ids, C.POSITION_IDS: pos,
+                C.ATTENTION_MASK: block_mask(past, new, s, starts if in_place else None),
+                C.TOPK_IN: np.array([topk], dtype=np.int64)}
+        return self._draft_call("draft", m.draft, m.draft_spec, [C.TOPK_IDS, C.TOPK_LOGPROBS], feed, starts)
 
     def _draft_call(self, role, session, spec, names, feed, starts, rows=None) -> dict:
         run = self._draft_in_place.get(role)

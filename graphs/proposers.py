@@ -13,6 +13,8 @@ occupied rows (slot order):
     Medusa        heads on the last accepted hidden state -> a static tree's candidates (cut to size)
     Eagle         step-wise: the drafter over the newly accepted rows, then ``depth`` calls growing an
                   EAGLE-2 tree; one call: a baked tree graph (graphs.eagle_draft) drafts it whole
+    DFlash        one call: the pending context rows into the drafter's K/V and the block [root, mask..]
+                  -> each slot's top-k -> the chain or a top-k tree (graphs.dflash_tree)
 
 Rows that do not draft in a drafter call (plain or prefilling rows) are fed one padding position that
 sees only itself and commits nothing: a call covers every occupied row so that the drafter's K/V is
@@ -28,6 +30,7 @@ import numpy as np
 
 from graphs import contract as C
 from graphs.adaptive import cut_tree, root_only, static_scores, sub_tree
+from graphs.dflash_tree import block_trees
 from graphs.eagle_draft import tree_from_outputs
 from graphs.kv import inplace_mask
 from graphs.slots import attention_mask
@@ -70,7 +73,24 @@ class Pending:
         self.ids = np.concatenate([self.ids, ids])
 
 
-DraftState = MedusaState | Pending
+@dataclasses.dataclass
+class DFlashState:
+    """One request's DFlash context not yet in the drafter's K/V: the base's target-layer features of
+    positions ``pos .. pos + A - 1``. Invariant at each propose: the drafter's cached rows (positions
+    0 .. its length - 1) and these rows are every position before the root (the block's anchor)."""
+
+    feats: np.ndarray  # (A, n_aux * H)
+    pos: int = 0  # the first pending row's position
+    topk: int = 1  # the tree's candidates per slot (1: the chain)
+
+    def extend(self, feats: np.ndarray) -> None:
+        self.feats = np.concatenate([self.feats, feats]) if len(self.feats) else feats
+
+    def set(self, feats: np.ndarray, pos: int) -> None:
+        self.feats, self.pos = feats, int(pos)
+
+
+DraftState = MedusaState | Pending | DFlashState
 
 
 class Plain:
@@ -367,3 +387,81 @@ class Eagle(_Eagle):
                 drafts.rows[b] = Proposal(tree, cand)
         drafts.seconds += t_draft
         drafts.calls += calls
+
+
+class DFlash(Plain):
+    """DFlash: one drafter call per step over every occupied row (graphs.executor ``draft_block``):
+    each drafting row's pending context rows join its drafter K/V (the executor's ``draft_kv``; a
+    row's columns are its positions 0 .., appended only) and its block ``[root, mask x (b-1)]`` at the
+    root's position + 0..b-1 returns each slot's top-k; the row's chain (topk 1) or top-k tree
+    (graphs.dflash_tree.block_trees) cut to the size the policy allows is what it verifies.
+
+    After a verify the accepted nodes' target-layer features (root included) are the pending rows,
+    the bonus token is the next anchor (the root); a row that did not draft (a plain step, its own or
+    the batch's) appends its step's row to the rows still pending (docs/dflash.md 0.4)."""
+
+    kind = "dflash"
+    every_plain_step = True  # each plain step's row joins the pending context
+
+    def __init__(self, executor):
+        super().__init__(executor)
+        info = executor.info
+        self.kv = executor.draft_kv
+        self.feat_dim, self.dtype, self.pad = info.feature_dim, info.dtype, info.pad
+        self.block, self.mask_id = info.block_size, info.mask_token_id
+
+    def new_state(self, req) -> DFlashState:
+        return DFlashState(np.zeros((0, self.feat_dim), self.dtype), 0, int(req.tree["topk"]))
+
+    def prefilled(self, req, b, out, start, end, root) -> float:
+        """Every prompt position's features are pending until the first draft (no drafter call here)."""
+        req.draft.extend(out[C.AUX_HIDDEN][0, : end - start].copy())
+        return 0.0
+
+    def propose(self, rows, sizes) -> Drafts:
+        drafting = [b for b, n in enumerate(sizes) if n > 1 and rows[b] is not None and rows[b].draft is not None]
+        drafts = Drafts(roots(rows))
+        if not drafting:
+            return drafts
+        n, s = len(rows), self.block
+        counts = np.zeros(n, dtype=np.int64)  # (n,) pending rows each row commits (0: not drafting)
+        for b in drafting:
+            counts[b] = len(rows[b].draft.feats)
+        a = int(counts.max())
+        feats = np.zeros((n, a, self.feat_dim), self.dtype)  # (n, A, n_aux * H)
+        ctx_pos = np.zeros((n, a), dtype=np.int64)  # (n, A) pads: any position
+        ids = np.full((n, s), self.pad, dtype=np.int64)  # (n, S) the block
+        pos = np.zeros((n, s), dtype=np.int64)  # (n, S)
+        for b in drafting:
+            st, r = rows[b].draft, rows[b]
+            feats[b, : counts[b]] = st.feats
+            ctx_pos[b] = st.pos + np.arange(a)
+            ids[b] = [r.root] + [self.mask_id] * (s - 1)
+            pos[b] = r.position + np.arange(s)
+        topk = max(rows[b].draft.topk for b in drafting)
+        starts = self.kv.write_columns()  # (n,) where each row's new context rows go: its length
+        self.kv.reserve(int(starts.max(initial=0)) + a)
+        new = np.arange(a)[None, :] < counts[:, None]  # (n, A) which new context columns are real
+        t0 = time.perf_counter()
+        out = self.ex.draft_block(feats, ctx_pos, ids, pos, self.kv.past_mask(), new, topk, starts)
+        drafts.seconds, drafts.calls = time.perf_counter() - t0, 1
+        pres = presents(out, self.kv.num_layers) if any(k.startswith("present.") for k in out) else None
+        self.kv.commit(pres, np.broadcast_to(np.arange(a), (n, a)), counts)
+        for b in drafting:  # (block_trees of one row at its own K: 1 is the chain)
+            (tree, tokens), = block_trees(out[C.TOPK_IDS][b : b + 1], out[C.TOPK_LOGPROBS][b : b + 1],
+                                          [rows[b].root], [int(sizes[b])], rows[b].draft.topk)
+            rows[b].draft.feats = rows[b].draft.feats[:0]  # in the drafter's K/V now
+            rows[b].draft.pos = rows[b].position
+            drafts.rows[b] = Proposal(tree, tokens)
+        return drafts
+
+    def advance(self, rows, out, results, drafts: Drafts, sizes) -> None:
+        for b, r in enumerate(rows):
+            res = results[b]
+            if r is None or res is None or r.draft is None:
+                continue
+            feats = out[C.AUX_HIDDEN][b, res.accepted]  # (len(accepted), n_aux * H) root first
+            if sizes[b] > 1:  # drafted: the pending rows went into the drafter's K/V at propose
+                r.draft.set(feats, r.position)
+            else:
+                r.draft.extend(feats)

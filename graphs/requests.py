@@ -36,7 +36,7 @@ class Request:
     eos: set
     speculation: str  # "on" | "off" | "adaptive"
     sampler: Sampler
-    tree: Tree | dict | None = None  # Medusa: its Tree; EAGLE: {"topk", "depth", "total_tokens"}
+    tree: Tree | dict | None = None  # Medusa: a Tree; EAGLE: {topk, depth, total_tokens}; DFlash: {topk, total_tokens}
     tree_role: str | None = None  # EAGLE: the baked tree graph drafting it in one call, if any
     tree_size: int = 1
     prior_key: tuple = ()
@@ -177,6 +177,10 @@ class RequestMaker:
             req.tree = self.medusa_tree(p.tree)
             req.tree_size = req.tree.size
             key = ("medusa", req.tree.parents.tobytes(), req.tree.rank.tobytes())
+        elif self.kind == "dflash":
+            req.tree = self.dflash_tree(p.tree)
+            req.tree_size = req.tree["total_tokens"]
+            key = ("dflash", req.tree["topk"], req.tree["total_tokens"])
         else:
             req.tree = self.eagle_tree(p.tree)
             req.tree_role = choose_graph(self.manifest, req.tree, self.eagle_draft)
@@ -188,7 +192,7 @@ class RequestMaker:
         # on rows too: their expected tokens weigh in the batch's choice of width
         prior = self.priors.get(req.prior_key)
         ceiling = (tree_ceiling(req.tree) if self.kind == "medusa"
-                   else chain_ceiling(req.tree_size, req.tree["depth"]))
+                   else chain_ceiling(req.tree_size, req.tree.get("depth", self.drafter.get("block_size", 1) - 1)))
         req.gains = RowGains(req.tree_size, None if prior is None else prior[0].copy(),
                              (self.adaptive_config or AdaptiveConfig()).ema, ceiling)
 
@@ -209,6 +213,31 @@ class RequestMaker:
             )
         check_medusa_tree(t, self.manifest.source["vocab_size"], self.max_positions)
         return t
+
+    def dflash_tree(self, tree) -> dict:
+        """The DFlash tree a request asks for ({"topk", "total_tokens"}: topk 1 the chain of the block's
+        top-1 drafts, more a tree of its per-slot top-k; a JSON file; None: the manifest's), checked."""
+        block = int(self.drafter["block_size"])
+        cfg = dict(self.default_tree.get("dflash") or {"topk": 1, "total_tokens": block})
+        if isinstance(tree, (str, Path)):
+            try:
+                tree = json.loads(Path(tree).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise InputError(f"cannot read DFlash tree file {tree}: {e}") from None
+        if tree is not None:
+            if not isinstance(tree, dict) or set(tree) - {"topk", "total_tokens"}:
+                raise InputError('a DFlash tree is {"topk": k, "total_tokens": n} (topk 1: the chain)')
+            cfg.update(tree)
+        for k in ("topk", "total_tokens"):
+            if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < 1:
+                raise InputError(f"DFlash tree {k} must be an int >= 1, got {cfg[k]!r}")
+        if cfg["topk"] == 1 and cfg["total_tokens"] > block:
+            raise InputError(f"a DFlash chain has at most {block} nodes (the block), got total_tokens "
+                             f"{cfg['total_tokens']}; use total_tokens <= {block} or topk > 1 (a tree)")
+        vocab = self.manifest.source["vocab_size"]
+        if cfg["topk"] > vocab:
+            raise InputError(f"DFlash tree topk {cfg['topk']} exceeds the vocabulary of {vocab}")
+        return cfg
 
     def eagle_tree(self, tree) -> dict:
         """The EAGLE tree a request asks for ({"topk", "depth", "total_tokens"}, a JSON file, or None:

@@ -270,3 +270,20 @@ def attention_mask(past: np.ndarray, tree: np.ndarray) -> np.ndarray:
     if past.ndim == 2:
         past = np.broadcast_to(past[:, None, :], (bsz, s, past.shape[1]))
     return np.concatenate([past, tree], axis=2)[:, None]
+
+
+def block_mask(past: np.ndarray, new: np.ndarray, s: int, starts: np.ndarray | None = None) -> np.ndarray:
+    """(B, 1, S, P+A+S) bool, a DFlash draft call's mask (graphs.contract.dflash_graph_spec): each of
+    the block's S queries sees the row's cached columns ``past`` (B, P), its real new context rows
+    ``new`` (B, A) and the whole block (bidirectional). ``starts`` (B,): the graph writes the A new
+    rows into the buffer at those columns (graphs.contract.inplace_dflash_spec): (B, 1, S, P+S), the
+    new rows marked at their columns."""
+    bsz = past.shape[0]
+    if starts is None:
+        cols = np.concatenate([past, new, np.ones((bsz, s), dtype=bool)], axis=1)  # (B, P+A+S)
+    else:
+        buf = past.copy()  # (B, P): P holds the A new columns of every row (reserved)
+        a = new.shape[1]
+        buf[np.arange(bsz)[:, None], starts[:, None] + np.arange(a)[None, :]] = new
+        cols = np.concatenate([buf, np.ones((bsz, s), dtype=bool)], axis=1)  # (B, P+S)
+    return np.ascontiguousarray(np.broadcast_to(cols[:, None, None, :], (bsz, 1, s, cols.shape[1])))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_dflash_engine import dflash_export  # noqa: F401 (fixture)
 from test_runtime import PROMPTS, references, trained  # noqa: F401 (fixtures)
 
 import graphs
@@ -55,3 +56,25 @@ def test_drafts_equal_the_reference_under_forced_switching(trained, monkeypatch,
     drafted = [s for s in steps if s.tree.size > 1]
     cfg = None if kind == "medusa" else decoder.eagle_tree(None)
     assert check_drafts(model, prompts, results, drafted, eagle_cfg=cfg) >= 3 * batch
+
+
+@pytest.mark.parametrize("tree", [{"topk": 1, "total_tokens": 4}, {"topk": 3, "total_tokens": 8}],
+                         ids=["chain", "tree"])
+def test_dflash_drafts_equal_the_reference_under_forced_switching(dflash_export, monkeypatch, tree):  # noqa: F811
+    """DFlash's pending context rows accumulate across plain steps: every drafted block equals the one
+    drafted from the whole context at once (tests/test_dflash_engine.py's reference_block), batch 3."""
+    from test_dflash_engine import check_dflash_drafts, prompts
+
+    out_dir, g = dflash_export
+    decoder = graphs.load(out_dir, provider="cpu", threads=1, adaptive=True)
+    made = []
+    monkeypatch.setattr(decoder, "new_planner", lambda: made.append(Switching()) or made[-1])
+    ps = prompts(3)
+    refs = decoder.generate(ps, max_new_tokens=16, mode="autoregressive")
+    with decoder.watch_verify() as steps:
+        results = decoder.generate(ps, max_new_tokens=16, speculation="adaptive", tree=tree)
+    assert [r.token_ids for r in results] == [r.token_ids for r in refs]
+    widths = list(made[-1].history)
+    assert widths.count(1) >= 3 and max(widths) > 1  # both kinds of step, switching
+    drafted = [s for s in steps if s.tree.size > 1]
+    assert check_dflash_drafts(g, ps, results, drafted, tree) >= 3 * 3

@@ -1,0 +1,146 @@
+"""The DFlash proposer in the engine (graphs.proposers.DFlash): ``graphs.load`` on a DFlash export drafts
+with it, the block verified as the chain or as a top-k tree, lossless, beside requests of other
+strategies, with drafts the base accepts.
+
+The export is test_dflash_loop's: a tiny base and a DFlash drafter (block 4) trained on its own
+distilled answers, built once for the module."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import save_tiny_model
+from dflash_reference import Graphs
+from tiny import tiny_model
+
+import graphs
+from exporter import pipeline
+from exporter.speculative import enable_huggingface_checkpointing
+from exporter.speculative import training as T
+from graphs import contract as C
+from graphs.dflash_tree import block_trees
+from graphs.engine import EngineConfig
+from graphs.errors import InputError
+
+QUIET = dict(log=lambda *a, **k: None)
+CHAIN = {"topk": 1, "total_tokens": 4}
+TREE = {"topk": 3, "total_tokens": 8}
+
+
+def prompts(n, seed=0, length=6):
+    """The prompts the drafter was trained on the answers of (test_dflash_loop's)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def dflash_export(tmp_path_factory):
+    """(export dir, its reference graphs): a tiny base, a DFlash drafter (block 4) trained a little."""
+    d = tmp_path_factory.mktemp("dflash-engine")
+    save_tiny_model(tiny_model(num_hidden_layers=6), d / "base")
+    pipeline.export(d / "base", d / "ar", **QUIET)
+    cfg = T.TrainingConfig(mode="dflash", max_new_tokens=32, distill_rows=8, seconds_budget=None, epochs=15,
+                           batch_size=8, learning_rate=5e-3, heldout_fraction=0.1,
+                           drafter_config={"dflash_block_size": 4})
+    model = tiny_model(num_hidden_layers=6)
+    T.run(model, d / "ar", [(f"c{i % 2}", p) for i, p in enumerate(prompts(16))], cfg, d / "work", **QUIET)
+    enable_huggingface_checkpointing()
+    save_tiny_model(model, d / "model")
+    pipeline.export(d / "model", d / "out", **QUIET)
+    return d / "out", Graphs(d / "out")
+
+
+@pytest.fixture(scope="module")
+def decoder(dflash_export):
+    return graphs.load(dflash_export[0], provider="cpu", threads=1)
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(decoder):
+    """The base's greedy tokens of the trained prompts (autoregressive)."""
+    ps = prompts(4)
+    return ps, [r.token_ids for r in decoder.generate(ps, max_new_tokens=24, mode="autoregressive")]
+
+
+def _drive(engine, requests: list[dict]) -> dict:
+    """Every request added at once, stepped to the end: {request id: (tokens, last stats)}."""
+    ids = [engine.add_request(r.pop("prompt"), **r) for r in requests]
+    got = {i: [] for i in ids}
+    stats = {}
+    while engine.has_pending_requests():
+        for e in engine.step():
+            got[e.request_id] += e.token_ids
+            if e.stats is not None:
+                stats[e.request_id] = e.stats
+    return [(got[i], stats.get(i)) for i in ids]
+
+
+@pytest.mark.parametrize("tree", [CHAIN, TREE], ids=["chain", "tree"])
+def test_greedy_is_exact_beside_other_strategies_and_drafts_are_accepted(decoder, greedy_refs, tree):
+    """Greedy DFlash rows (chain or tree, speculation on and adaptive) equal autoregressive exactly in a
+    batch that also holds a plain row and a sampled row; the drafted rows accept drafts (tau > 1)."""
+    ps, refs = greedy_refs
+    engine = decoder.engine(EngineConfig(max_batch=6, prefill_chunk=4))
+    reqs = [{"prompt": p, "max_new_tokens": 24, "tree": tree, "speculation": s}
+            for p, s in zip(ps, ["on", "on", "adaptive", "on"])]
+    reqs.insert(2, {"prompt": ps[0], "max_new_tokens": 24, "speculation": "off"})
+    reqs.insert(4, {"prompt": ps[1], "max_new_tokens": 24, "temperature": 0.8, "seed": 5, "tree": tree})
+    out = _drive(engine, reqs)
+    spec = [out[i] for i in (0, 1, 3, 5)]
+    assert [t for t, _ in spec] == refs
+    assert out[2][0] == refs[0]  # the plain row beside them
+    assert len(out[4][0]) == 24  # the sampled row ran to its length
+    taus = [st.mean_accepted_length for _, st in (out[0], out[1], out[5])]  # the rows always drafting
+    print(f"\ndflash {tree}: tau {np.round(taus, 2).tolist()}")
+    assert min(taus) > 1.1, taus  # the trained block drafts tokens the base accepts
+
+
+def test_sampled_request_is_the_same_alone_and_in_a_batch(decoder):
+    """A seeded sampled DFlash request draws the same tokens alone and beside greedy DFlash rows."""
+    p = prompts(2)[1]
+    params = dict(max_new_tokens=20, temperature=0.8, seed=11, tree=TREE)
+    alone = _drive(decoder.engine(EngineConfig(max_batch=4)), [{"prompt": p, **params}])[0][0]
+    crowd = _drive(decoder.engine(EngineConfig(max_batch=4, prefill_chunk=3)),
+                   [{"prompt": q, "max_new_tokens": 12} for q in prompts(3)] + [{"prompt": p, **params}])[-1][0]
+    assert crowd == alone and len(alone) == 20
+
+
+def test_tree_settings_are_checked(decoder):
+    with pytest.raises(InputError, match="at most 4 nodes"):
+        decoder.generate([5, 6], max_new_tokens=2, tree={"topk": 1, "total_tokens": 9})
+    with pytest.raises(InputError, match="DFlash tree"):
+        decoder.generate([5, 6], max_new_tokens=2, tree={"topk": 2, "depth": 3, "total_tokens": 9})
+    assert decoder.requests.dflash_tree(None) == {"topk": 1, "total_tokens": 4}  # the manifest's: the chain
+
+
+# ------------------------------------------------------------------------------ the drafts themselves
+
+
+def reference_block(g: Graphs, tokens: list[int], root_pos: int, size: int, topk: int):
+    """The (tree, tokens) DFlash drafts at ``root_pos`` (tokens[root_pos] the root) from the whole context
+    at once: one base forward over tokens[:root_pos] for the features, one draft call with no cache."""
+    src, d = g.m.source, g.m.drafter
+    kv = [np.zeros((1, src["num_kv_heads"], 0, src["head_dim"]), np.float32) for _ in range(2 * src["num_layers"])]
+    ctx = np.array(tokens[:root_pos])
+    out = g.run_base(kv, ctx, np.arange(root_pos), np.tril(np.ones((root_pos, root_pos), bool)))
+    dkv = [np.zeros((1, d["num_kv_heads"], 0, d["head_dim"]), np.float32) for _ in range(2 * d["num_layers"])]
+    b = d["block_size"]
+    block = np.array([tokens[root_pos]] + [d["mask_token_id"]] * (b - 1))
+    dr = g.run_draft(dkv, out[C.AUX_HIDDEN][0], np.arange(root_pos), block, root_pos + np.arange(b), topk)
+    ((tree, cand),) = block_trees(dr[C.TOPK_IDS], dr[C.TOPK_LOGPROBS], [tokens[root_pos]], [size], topk)
+    return tree, cand
+
+
+def check_dflash_drafts(g: Graphs, prompts_: list, results: list, records: list, tree: dict) -> int:
+    """Every recorded drafted tree equals :func:`reference_block`'s for its context; returns how many."""
+    full = [list(p) + list(r.token_ids) for p, r in zip(prompts_, results)]
+    by_id = sorted({rec.request_id for rec in records})
+    checked = 0
+    for rec in records:
+        seq = full[by_id.index(rec.request_id)]
+        want_tree, want = reference_block(g, seq, rec.position, rec.tree.size, tree["topk"])
+        assert rec.tokens.tolist() == want.tolist(), (rec.request_id, rec.position)
+        assert rec.tree.parents.tolist() == want_tree.parents.tolist()
+        checked += 1
+    return checked
