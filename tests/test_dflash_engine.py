@@ -7,6 +7,8 @@ distilled answers, built once for the module."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -106,6 +108,27 @@ def test_sampled_request_is_the_same_alone_and_in_a_batch(decoder):
     assert crowd == alone and len(alone) == 20
 
 
+@pytest.fixture(scope="module")
+def optimized(dflash_export, tmp_path_factory):
+    """The trained export optimized for the CPU (fused float32): both caches written in place."""
+    d = tmp_path_factory.mktemp("dflash-engine-opt") / "fused"
+    shutil.copytree(dflash_export[0], d)
+    pipeline.optimize_export(d, progress=None, time_gain=False)
+    return graphs.load(d, provider="cpu", threads=1)
+
+
+def test_optimized_export_drafts_with_its_context_cache_in_place(optimized):
+    """On the optimized export the drafter's context K/V is written in place by the draft graph
+    (graphs.contract.inplace_dflash_spec): greedy chain and tree rows at batch 3 equal autoregressive."""
+    assert C.KV_WRITE in optimized.model.draft_spec.input_names
+    ps = prompts(3)
+    refs = [r.token_ids for r in optimized.generate(ps, max_new_tokens=20, mode="autoregressive")]
+    for tree in (CHAIN, TREE):
+        got = optimized.generate(ps, max_new_tokens=20, tree=tree, speculation="on")
+        assert [r.token_ids for r in got] == refs, tree
+        assert got[0].stats.mean_accepted_length > 1.1
+
+
 def test_tree_settings_are_checked(decoder):
     with pytest.raises(InputError, match="at most 4 nodes"):
         decoder.generate([5, 6], max_new_tokens=2, tree={"topk": 1, "total_tokens": 9})
@@ -144,3 +167,63 @@ def check_dflash_drafts(g: Graphs, prompts_: list, results: list, records: list,
         assert rec.tree.parents.tolist() == want_tree.parents.tolist()
         checked += 1
     return checked
+
+
+# ------------------------------------------------------------------------------ sampling stays lossless
+
+
+@pytest.fixture(scope="module")
+def sampling_setup(tmp_path_factory):
+    """(decoder, base): test_spec_sampling's 16-token base, a DFlash drafter (block 4, 1 layer) distilled
+    on its sampled text, exported."""
+    from helpers import torch_threads
+    from test_spec_sampling import _base, _distill, _sampled_text
+
+    from exporter.speculative import convert
+
+    root = tmp_path_factory.mktemp("dflash-sampling")
+    with torch_threads(1):
+        base = _base()
+        text = _sampled_text(base, n=96, length=24, seed=1)
+        torch.manual_seed(2)
+        model = convert(_base(), [("dflash", {"dflash_block_size": 4, "dflash_mask_token_id": 15,
+                                              "dflash_target_layer_ids": [0],
+                                              "dflash_architecture_config": {"num_hidden_layers": 1}})])
+        _distill(model, text, steps=60)
+        enable_huggingface_checkpointing()
+        model.save_pretrained(root / "model")
+        pipeline.export(root / "model", root / "onnx", **QUIET)
+    dec = graphs.load(root / "onnx", provider="cpu", threads=1)
+    dec.eos = set()  # the tiny vocabulary holds the EOS id: sample it like any other token
+    return dec, base
+
+
+@pytest.mark.parametrize("tree", [CHAIN, TREE], ids=["chain", "tree"])
+def test_sampling_keeps_the_base_distribution_beside_other_requests(sampling_setup, tree):
+    """test_spec_sampling's chi-square test for DFlash: the joint of the first three sampled tokens is the
+    base's, with greedy plain and greedy DFlash requests in the same batches."""
+    from test_spec_sampling import N_TOKENS, P_MIN, PROMPT, VOCAB, chi_square, exact_joint
+
+    dec, base = sampling_setup
+    counts = np.zeros((VOCAB,) * N_TOKENS, dtype=np.int64)
+    taus = []
+    rng = np.random.default_rng(3)
+    for seed in range(6):
+        engine = dec.engine(EngineConfig(max_batch=64, prefill_chunk=4))
+        reqs = [{"prompt": PROMPT, "max_new_tokens": N_TOKENS, "temperature": 1.0, "seed": seed * 1000 + i,
+                 "tree": tree} for i in range(1000)]
+        noise = [{"prompt": rng.integers(3, VOCAB, size=5).tolist(), "max_new_tokens": 6,
+                  "speculation": ["off", "on"][i % 2]} for i in range(12)]
+        for i, r in enumerate(noise):
+            reqs.insert(80 * i + 7, r)
+        got = _drive(engine, reqs)
+        sampled = [g for g, r in zip(got, reqs) if r.get("temperature")]
+        toks = np.array([t for t, _ in sampled])  # (1000, 3)
+        assert toks.shape == (1000, N_TOKENS)
+        np.add.at(counts, tuple(toks.T), 1)
+        taus += [st.mean_accepted_length for _, st in sampled[:50]]
+    tau = float(np.mean(taus))
+    assert tau > 1.05, f"drafts are (almost) never accepted ({tau:.2f}); the test would prove little"
+    stat, dof, p = chi_square(counts, exact_joint(base))
+    print(f"\ndflash {tree} sampling: chi2 {stat:.1f} dof {dof} p {p:.3g} tau {tau:.2f}")
+    assert p > P_MIN
