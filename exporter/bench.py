@@ -70,6 +70,10 @@ def main(argv=None) -> int:
     ap.add_argument("--also", action="append", default=[], metavar="EXPORT",
                     help="a raw export of the same base with another drafter, run as ours-spec-<kind> beside the "
                          "main export's systems at every precision (repeatable; default: none)")
+    ap.add_argument("--also-tree", action="append", default=[], metavar="NAME=TREE",
+                    help="another tree of the export (JSON, or a JSON file), run as ours-spec-NAME beside ours-spec "
+                         "(repeatable), e.g. a DFlash top-k tree beside its chain: "
+                         "tree4x16='{\"topk\": 4, \"total_tokens\": 16}' (default: none)")
     ap.add_argument("--json", help="write the report as JSON here (default: not written)")
     ap.add_argument("--png", help="draw the report here (default: not drawn)")
     ap.add_argument("--variants", help="instead of the systems run: compare optimized variants of a raw export, "
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
             precisions=_csv(args.precisions), peers=_csv(args.peers), draft_model=args.draft_model,
             prompt_lookup=args.prompt_lookup, optimum_python=args.optimum_python,
             load_options=_load_options(args.load_option), sweep=args.sweep, work=args.work, logs=args.logs,
-            tune=args.tune, also=tuple(args.also))
+            tune=args.tune, also=tuple(args.also), also_trees=_also_trees(args.also_tree))
         report = bench(args.out_dir, opts, log=lambda *a, **k: print(*a, file=sys.stderr, flush=True))
         for e in report["systems"]:
             print(R.line(e, report["anchor"]))
@@ -156,6 +160,23 @@ def _read_tree(path: str):
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read --tree {path}: {e}") from None
     return tree["paths"] if isinstance(tree, dict) and "paths" in tree else tree
+
+
+def _also_trees(items: list[str]) -> tuple:
+    out = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UserError(f"--also-tree {item!r}: expected NAME=TREE, e.g. tree4x16='{{\"topk\": 4, "
+                            f"\"total_tokens\": 16}}'")
+        try:
+            tree = json.loads(value)
+        except json.JSONDecodeError:
+            tree = _read_tree(value) if Path(value).is_file() else None
+            if tree is None:
+                raise UserError(f"--also-tree {name}: {value!r} is neither JSON nor a JSON file") from None
+        out.append((name, tree))
+    return tuple(out)
 
 
 def _load_options(items: list[str]) -> dict:

@@ -227,3 +227,38 @@ def test_sampling_keeps_the_base_distribution_beside_other_requests(sampling_set
     stat, dof, p = chi_square(counts, exact_joint(base))
     print(f"\ndflash {tree} sampling: chi2 {stat:.1f} dof {dof} p {p:.3g} tau {tau:.2f}")
     assert p > P_MIN
+
+
+# ------------------------------------------------------------------------------ bench
+
+
+def test_bench_runs_dflash_chain_and_tree_as_two_systems_and_sweeps_them(dflash_export, tmp_path):
+    """exporter.bench on a DFlash export: ours-spec (the manifest's chain) and ours-spec-tree (--also-tree)
+    in one run, both held to ours-ar's greedy tokens; --sweep measures DFlash chains and trees."""
+    from exporter.bench import BenchOptions, bench
+
+    rep = bench(dflash_export[0], BenchOptions(repeats=2, prompts=2, max_new_tokens=8, threads=1, peers=(),
+                                               sweep=True, work=str(tmp_path),
+                                               also_trees=(("tree", {"topk": 3, "total_tokens": 8}),)),
+                log=lambda *a: None)
+    by = {e["name"]: e for e in rep["systems"]}
+    assert set(by) == {"ours-ar", "ours-spec", "ours-spec-tree"}
+    assert all(e["status"] == "ok" for e in by.values()), {n: e["reason"] for n, e in by.items()}
+    rows = {(g["system"], g["reference"]): g for g in rep["greedy"]}
+    assert rows[("ours-spec-tree", "ours-ar")]["must_equal"] and rep["greedy_mismatches"] == 0
+    sweep = rep["sweep"]
+    assert sweep[0]["default"] and sweep[0]["tree"] == {"topk": 1, "total_tokens": 4}
+    assert {r["tree"]["topk"] for r in sweep} == {1, 2, 4} and all(r["mean_accepted_length"] >= 1 for r in sweep)
+
+
+def test_bench_also_tree_flag_is_parsed_and_checked(tmp_path):
+    from exporter.bench import BenchOptions, _also_trees
+    from exporter.loading import UserError
+
+    (tmp_path / "t.json").write_text('{"topk": 4, "total_tokens": 16}')
+    assert _also_trees(['t4={"topk": 4, "total_tokens": 16}', f"f={tmp_path / 't.json'}"]) == (
+        ("t4", {"topk": 4, "total_tokens": 16}), ("f", {"topk": 4, "total_tokens": 16}))
+    with pytest.raises(UserError, match="neither JSON nor a JSON file"):
+        _also_trees(["x=nope"])
+    with pytest.raises(UserError, match="ours-spec-NAME"):
+        BenchOptions(also_trees=(("a b", {}),))

@@ -54,6 +54,9 @@ class BenchOptions:
     # raw exports of the same base with other drafters: each runs as ours-spec-<kind> at every precision,
     # beside the main export's systems (Medusa against EAGLE-3 in one run)
     also: tuple = ()
+    # more trees of the main export, each its own system ours-spec-<name> beside ours-spec at every precision:
+    # ((name, tree), ...), e.g. DFlash's chain (ours-spec, the manifest's) and a top-k tree side by side
+    also_trees: tuple = ()
 
     def __post_init__(self):
         def need(ok, msg):
@@ -69,6 +72,11 @@ class BenchOptions:
                 need(Path(v).is_dir(), f"{flag} {v} is not a directory; pass a local Hugging Face model directory")
                 setattr(self, name, str(Path(v).absolute()))
         self.also = tuple(str(Path(d).absolute()) for d in self.also)
+        self.also_trees = tuple((str(n), t) for n, t in self.also_trees)
+        names = [n for n, _ in self.also_trees]
+        for n in names:
+            need(n.replace("-", "").replace("_", "").isalnum() and names.count(n) == 1,
+                 f"--also-tree {n}: a name is letters, digits, - or _, once each (the system is ours-spec-NAME)")
         for d in self.also:
             need((Path(d) / "manifest.json").is_file(), f"--also {d} is not an export directory (no manifest.json); "
                                                         f"pass a raw export of the same base with another drafter")
@@ -143,6 +151,9 @@ def plan(out_dir: Path, manifest, opts: BenchOptions, work: Path, log=print) -> 
         if manifest.drafter:
             mine.append(S.System(f"ours-spec{sfx}", "ours", {**ours_base, "out_dir": str(path),
                                  "mode": "speculative", "tree": opts.tree}, precision=prec, must_equal=ar.name))
+            mine += [S.System(f"ours-spec-{name}{sfx}", "ours", {**ours_base, "out_dir": str(path),
+                              "mode": "speculative", "tree": tree}, precision=prec, must_equal=ar.name)
+                     for name, tree in opts.also_trees]
         for s in mine:
             if not path:
                 s.skip(why)
@@ -228,8 +239,16 @@ def _also_systems(opts: BenchOptions, prec: str, ar_name: str, work: Path, log, 
 
 
 def _tree_sizes(kind: str, drafter: dict) -> list:
-    """Trees of growing size for ``--sweep``: Medusa paths or EAGLE settings."""
+    """Trees of growing size for ``--sweep``: Medusa paths, EAGLE settings, or DFlash's: the chain cut to
+    2 .. block nodes, then top-k trees of up to 4 blocks' nodes."""
     from graphs.trees import default_medusa_paths
+
+    if kind == "dflash":
+        b = int(drafter["block_size"])
+        chains = sorted({min(n, b) for n in (2, 4, 8, b)})
+        trees = [(k, t) for k, t in ((2, b), (4, b), (4, 2 * b), (4, 4 * b)) if t <= 64]
+        return ([{"topk": 1, "total_tokens": n} for n in chains]
+                + [{"topk": k, "total_tokens": t} for k, t in trees])
 
     if kind == "medusa":
         trees = {}
@@ -411,7 +430,8 @@ def _sweep(systems, prompts, manifest, opts: BenchOptions, log) -> list | None:
     rows = []
     # the export's own default first (the tuned one after exporter.tune / exporter.optimize), then the
     # hand-picked trees of growing size, all under the same protocol
-    default = manifest.tree.get("eagle") if manifest.drafter["kind"] == "eagle" else manifest.tree.get("medusa_paths")
+    kind = manifest.drafter["kind"]
+    default = manifest.tree.get("medusa_paths" if kind == "medusa" else kind)
     for tree in ([default] if default else []) + _tree_sizes(manifest.drafter["kind"], manifest.drafter):
         runs = {"spec": [], "ar": []}
         for r in range(max(1, opts.repeats // 2)):
