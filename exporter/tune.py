@@ -7,7 +7,8 @@ Measures the verify cost against tree size and the drafter's acceptance on calib
 predicts tokens/s for every candidate tree, confirms the winner with a measured run and writes it
 into ``manifest.json`` as the default tree (``tree["tuned"]``), through the writer: the manifest is
 rehashed and swapped in atomically. EAGLE with ``--model-dir``: a new winning tree is baked as a
-one-call graph first (traced, checked against PyTorch).
+one-call graph first (traced, checked against PyTorch). DFlash: the chain and trees of the block's
+per-slot top-k (1..4) compete, every size of each scored from one run (``tree.dflash``).
 
 A thin command line over :func:`exporter.pipeline.tune_export` (the measurements: :mod:`exporter.tuning`).
 Greedy output is the same whatever tree is chosen; only speed changes.

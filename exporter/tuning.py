@@ -10,6 +10,8 @@ Measures through the runtime's decoder (:mod:`graphs.runtime`); writes nothing: 
    EAGLE: for each (topk, depth), one run with every drafted node verified; each step's accepted
    path says how many tokens the (topk, depth, n) tree would have given for every n (EAGLE-2 keeps
    the best n - 1 drafted nodes by score, so that tree is a cut of the full one: graphs.adaptive);
+   DFlash: the same for each topk (1: the chain), the block's top-k tree at its largest (its best-n
+   nodes by path probability are a cut of it: graphs.dflash_tree), one drafter call a step;
 3. predicted tokens/s = tokens per step / (verify(T) + draft + host) for every candidate tree;
    Medusa's trees grown greedily from the measured accuracies (the Medusa paper's construction);
 4. the winner (EAGLE: baked as a one-call graph when new and ``--model-dir`` is given; without it, a
@@ -48,13 +50,13 @@ WARM, TIMED = 4, 2  # measure_verify: calls per size and round before timing, an
 SLOW_CALL_S = 0.02
 
 
-TUNABLE = ("medusa", "eagle")  # the drafter kinds whose trees steps 1-4 measure
+TUNABLE = ("medusa", "eagle", "dflash")  # the drafter kinds whose trees steps 1-4 measure
+DFLASH_TOPK = (1, 2, 3, 4)  # DFlash: the chain, then trees of the block's per-slot top-k
 
 
 def untunable(drafter: dict | None) -> str | None:
-    """Why the tree of an export with ``drafter`` (the manifest's entry) is not tuned here, or None.
-    DFlash: the engine has no DFlash proposer yet (it decodes such an export without drafts, so
-    nothing would measure a tree); the manifest's default tree (the chain) stays until it does."""
+    """Why the tree of an export with ``drafter`` (the manifest's entry) is not tuned here, or None
+    (a kind the tuner does not know: its default tree stays)."""
     kind = (drafter or {}).get("kind")
     if kind is None or kind in TUNABLE:
         return None
@@ -163,6 +165,29 @@ def eagle_gains(dec, prompts: list[list[int]], new: int, topk: int, depth: int) 
     return np.mean(gains, axis=0), draft / max(steps, 1), host / max(steps, 1)
 
 
+def tree_gains(dec, prompts: list[list[int]], new: int, tree: dict, full: int) -> tuple[np.ndarray, float, float]:
+    """Mean tokens per step of ``tree`` cut to its best n = 1..``full`` nodes (every drafted node verified:
+    ``dec`` loaded with adaptive=False), the draft seconds per step and the host seconds per step."""
+    gains, steps, draft, host = [], 0, 0.0, 0.0
+    with dec.watch_verify() as records:
+        for p in prompts:
+            r = dec.generate(p, max_new_tokens=new, tree=tree)
+            steps += r.stats.steps
+            draft += r.stats.time_draft
+            host += r.stats.time_host
+    for rec in records:
+        g = np.full(full, np.nan)
+        g[: rec.tree.size] = counterfactual_gain(rec.tree, rec.accepted)
+        g[rec.tree.size:] = g[rec.tree.size - 1]
+        gains.append(g)
+    return np.mean(gains, axis=0), draft / max(steps, 1), host / max(steps, 1)
+
+
+def dflash_full(topk: int, block: int) -> int:
+    """The nodes of the largest DFlash tree worth measuring: the whole block's top-k tree, at most MAX_TREE."""
+    return min(sum(topk ** d for d in range(block)), MAX_TREE)
+
+
 def measured_run(dec, prompts, new: int, **kw) -> dict:
     """tokens/s over all prompts (decode only), tokens per step, draft calls per step."""
     tokens, t, steps, calls, acc = 0, 0.0, 0, 0, []
@@ -245,6 +270,29 @@ def _tune_eagle(dec, ids, verify, new, report, budget_s, can_bake: bool, out_dir
     return cfg
 
 
+def _tune_dflash(dec, ids, verify, new, report, log) -> dict:
+    """The chain and the block's top-k trees, each measured once at its largest (every node verified);
+    a cut to n nodes is what the engine verifies at size n, so one run scores every size."""
+    log("[2/4] DFlash drafter: acceptance of the chain and of top-k trees of the block", flush=True)
+    block = int(dec.drafter["block_size"])
+    best = None
+    for k in DFLASH_TOPK:
+        full = dflash_full(k, block)
+        gains, draft, host = tree_gains(dec, ids, new, {"topk": k, "total_tokens": full}, full)
+        for n in range(2, full + 1):
+            rate = gains[n - 1] / (interp(verify, n) + draft + host)
+            cand = {"topk": k, "total_tokens": n, "expected_accepted": float(gains[n - 1]),
+                    "predicted_tokens_per_s": float(rate)}
+            report["candidates"].append(cand)
+            if best is None or rate > best["predicted_tokens_per_s"]:
+                best = cand
+        log(f"      topk {k}: tokens/step at n = 2..{full}: " + " ".join(f"{g:.2f}" for g in gains[1:]), flush=True)
+    report["best"] = best
+    log(f"[3/4] best: topk {best['topk']}, {best['total_tokens']} nodes, tau {best['expected_accepted']:.2f}, "
+        f"predicted {best['predicted_tokens_per_s']:.0f} tok/s", flush=True)
+    return {"topk": best["topk"], "total_tokens": best["total_tokens"]}
+
+
 # ------------------------------------------------------------------ the stage
 
 
@@ -266,6 +314,9 @@ def choose_tree(dec, ids: list[list[int]], *, out_dir, threads: int | None, budg
     if dec.kind == "medusa":
         report["winner"] = _tune_medusa(dec, ids, verify, max_new_tokens, report, log)
         report["tree"] = report["winner"]
+        report["bake"] = None
+    elif dec.kind == "dflash":
+        report["winner"] = report["tree"] = _tune_dflash(dec, ids, verify, max_new_tokens, report, log)
         report["bake"] = None
     else:
         cfg = _tune_eagle(dec, ids, verify, max_new_tokens, report, budget_s - (time.perf_counter() - t_start),
@@ -302,6 +353,8 @@ def record_tree(manifest, report: dict) -> None:
     """The chosen tree becomes the manifest's default, with its ``tuned`` record."""
     if report["kind"] == "medusa":
         manifest.tree["medusa_paths"] = report["winner"]
+    elif report["kind"] == "dflash":
+        manifest.tree["dflash"] = report["tree"]
     else:
         manifest.tree["eagle"] = report["tree"]
     manifest.tree["tuned"] = report["confirmed"]

@@ -262,3 +262,28 @@ def test_bench_also_tree_flag_is_parsed_and_checked(tmp_path):
         _also_trees(["x=nope"])
     with pytest.raises(UserError, match="ours-spec-NAME"):
         BenchOptions(also_trees=(("a b", {}),))
+
+
+# ------------------------------------------------------------------------------ tune
+
+
+def test_tune_chooses_dflash_chain_or_tree_by_measurement(dflash_export, tmp_path):
+    """exporter.tune on a DFlash export: the chain and top-k trees measured (every node verified, a cut
+    per size), the fastest predicted one confirmed and written as the manifest's tree.dflash."""
+    import json
+
+    from exporter.tune import tune
+
+    out = tmp_path / "out"
+    shutil.copytree(dflash_export[0], out)
+    texts = ["".join(chr(40 + t % 80) for t in p) for p in prompts(2)]
+    report = tune(out, prompts=texts, threads=1, max_new_tokens=12, log=lambda *a, **k: None)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["tree"]["dflash"] == report["tree"] and set(report["tree"]) == {"topk", "total_tokens"}
+    cands = report["candidates"]
+    assert {c["topk"] for c in cands} == {1, 2, 3, 4}
+    assert max(c["total_tokens"] for c in cands if c["topk"] == 1) == 4  # the chain: the block at most
+    assert report["best"]["predicted_tokens_per_s"] == max(c["predicted_tokens_per_s"] for c in cands)
+    assert m["tree"]["tuned"]["measured_tokens_per_s"] > 0
+    dec = graphs.load(out, provider="cpu", threads=1)
+    assert dec.requests.dflash_tree(None) == report["tree"]

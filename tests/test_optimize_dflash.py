@@ -1,7 +1,7 @@
 """python -m exporter.optimize on a DFlash export: the draft graph's two-key-set attention fused into one ONNX
 ``Attention`` (plus rotary, norms, the context cache written in place), int8/int4 MatMulNBits, the parity gate
-fed the DFlash calls (exporter.passes.parity.dflash_feeds, the export check's own), and the tree tuning
-skipped with a line (the engine has no DFlash proposer yet)."""
+fed the DFlash calls (exporter.passes.parity.dflash_feeds, the export check's own), and the tree re-tuned
+for the optimized graphs (the engine's DFlash proposer measures the chain and top-k trees)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from tiny import tiny_model
 
 from exporter import pipeline
 from exporter.compare_report import TOLERANCES
-from exporter.errors import UserError
 from exporter.passes.parity import dflash_parity_feeds, rewritten_feed
 from exporter.speculative import convert
 from exporter.validate import dflash_cases, run_case
@@ -141,16 +140,14 @@ def test_quantized_drafter_is_matmulnbits_and_reported(dflash, quantize):
         assert got[C.LOGITS].shape == want[C.LOGITS].shape
 
 
-def test_tune_skips_a_dflash_export_with_a_line(dflash, tmp_path):
-    """optimize's re-tuning step (the CLI's default, and exporter.bench's) on a DFlash export: skipped with
-    one line, the default tree kept; tune on its own: one clear line."""
+def test_optimize_re_tunes_the_dflash_tree(dflash, tmp_path):
+    """optimize's re-tuning step (the CLI's default, and exporter.bench's) on a DFlash export measures the
+    chain and top-k trees on the optimized graphs and records the winner as tree.dflash (tune.untunable
+    refused DFlash before the engine had its proposer)."""
     _, out, _ = dflash
     shutil.copytree(out, tmp_path / "t")
-    lines = []
-    summary = pipeline.optimize_export(tmp_path / "t", tune=True, time_gain=False, validate=False,
-                                       progress=lambda *a, **k: lines.append(" ".join(map(str, a))))
-    assert "dflash" in summary["tune"]["skipped"]
-    assert any(line.startswith("tune: skipped") and "dflash" in line for line in lines)
-    assert Manifest.read(tmp_path / "t").tree == {"dflash": {"topk": 1, "total_tokens": 4}}
-    with pytest.raises(UserError, match="not yet a dflash drafter"):
-        pipeline.tune_export(tmp_path / "t", log=lambda *a, **k: None)
+    summary = pipeline.optimize_export(tmp_path / "t", tune=True, time_gain=False, validate=False, progress=None,
+                                       tune_prompts=["abc", "xyz"])
+    assert "skipped" not in summary["tune"]
+    tree = Manifest.read(tmp_path / "t").tree
+    assert set(tree["dflash"]) == {"topk", "total_tokens"} and tree["tuned"]["measured_tokens_per_s"] > 0
