@@ -98,6 +98,35 @@ def test_greedy_is_exact_beside_other_strategies_and_drafts_are_accepted(decoder
     assert min(taus) > 1.1, taus  # the trained block drafts tokens the base accepts
 
 
+def test_rows_that_leave_move_the_drafter_rows_with_them(decoder, greedy_refs):
+    """Requests finish early, one is cancelled, one arrives into a freed row (the engine moves the last
+    row into each freed one, the drafter's K/V and pending rows with it): every greedy tree row stays
+    exact and keeps accepting drafts."""
+    ps, refs = greedy_refs
+    engine = decoder.engine(EngineConfig(max_batch=4, prefill_chunk=4))
+    lens = [5, 24, 16, 24]
+    ids = [engine.add_request(p, max_new_tokens=n, tree=TREE, speculation="on") for p, n in zip(ps, lens)]
+    got = {i: [] for i in ids}
+    stats = {}
+    steps = 0
+    while engine.has_pending_requests():
+        for e in engine.step():
+            got.setdefault(e.request_id, []).extend(e.token_ids)
+            if e.stats is not None:
+                stats[e.request_id] = e.stats
+        steps += 1
+        if steps == 3:
+            engine.remove_request(ids[2])  # cancelled mid-run: its row freed, the last moves into it
+        if steps == 4:
+            ids.append(engine.add_request(ps[0], max_new_tokens=20, tree=TREE, speculation="on"))
+    for i, ref, n in zip(ids, [*refs, refs[0]], [*lens, 20]):
+        if i == ids[2]:
+            assert got[i] == ref[: len(got[i])] and len(got[i]) < n
+        else:
+            assert got[i] == ref[:n], i
+    assert stats[ids[1]].mean_accepted_length > 1.1 and stats[ids[4]].mean_accepted_length > 1.1
+
+
 def test_sampled_request_is_the_same_alone_and_in_a_batch(decoder):
     """A seeded sampled DFlash request draws the same tokens alone and beside greedy DFlash rows."""
     p = prompts(2)[1]
