@@ -287,25 +287,29 @@ def optimize_graphs(out_dir: Path, tmp: Path, manifest: Manifest, options: Optim
     one-call EAGLE tree graphs (draft_tree.*) get the draft graph's passes: their drafter forwards
     are the draft graph's, unrolled (fused, quantized, float16 with the drafter K/V in the cache dtype).
     """
-    specs = {role: optimized_spec(spec, options.use_float16) for role, spec in manifest.graphs.items()}
+    # the K/V update graphs of older exports are read by nothing (graphs.device moves K/V with its own
+    # graphs): dropped here; the device path's graphs are built anew below
+    roles = [r for r in manifest.graphs if is_traced(r)]
+    specs = {role: optimized_spec(manifest.graphs[role], options.use_float16) for role in roles}
     records = {}
-    for role in manifest.graphs:
-        if is_traced(role):
-            records[role] = optimize_graph(out_dir / manifest.graphs[role].file, tmp / specs[role].file, role,
-                                           options, log, source=manifest.source)
-            layout = records[role]["fused"].get("kv_layout")
-            if layout:
-                specs[role] = C.inplace_base_spec(specs[role], layout)
-        elif options.use_float16:  # K/V updates: the cache dtype
-            from exporter.kvgraph import build_kv_update
+    for role in roles:
+        records[role] = optimize_graph(out_dir / manifest.graphs[role].file, tmp / specs[role].file, role,
+                                       options, log, source=manifest.source)
+        layout = records[role]["fused"].get("kv_layout")
+        if layout:
+            specs[role] = C.inplace_base_spec(specs[role], layout)
+    if C.kv_in_place(specs["base"]):  # the device path's small graphs (graphs.device), for this base
+        from exporter.kvgraph import DEVICE_OPSET, build_device_graphs
 
-            build_kv_update(specs[role], tmp / specs[role].file, opset=manifest.opset)
-            records[role] = {"passes": ["float16"], "target": options.target,
-                             "provider": TARGETS[options.target], "dtype": "float16", "quantization": None}
+        for role, spec in build_device_graphs(specs["base"], tmp).items():
+            specs[role] = spec
+            records[role] = {"passes": ["device"], "target": options.target, "provider": TARGETS[options.target],
+                             "dtype": specs["base"].output(C.LOGITS).dtype, "quantization": None,
+                             "opset": DEVICE_OPSET}
     return specs, records
 
 
 def rewritten_files(out_dir: Path, manifest: Manifest, options: OptimizeOptions) -> set[str]:
     """The export's files (relative paths) that :func:`optimize_graphs` writes anew."""
     return {p.relative_to(out_dir).as_posix() for role in manifest.graphs
-            for p in graph_files(out_dir, manifest.graphs[role]) if is_traced(role) or options.use_float16}
+            for p in graph_files(out_dir, manifest.graphs[role])}  # (K/V update graphs: dropped)

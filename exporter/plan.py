@@ -1,7 +1,7 @@
 """The plan stage: everything an export will hold, computed once from the loaded model.
 
     plan = build_plan(model, model_dir, dtype="float32", opset=17, eagle_trees=None)
-    plan.specs          {role: GraphSpec}: base, draft, draft_tree.K-D-T, kv_update, draft_kv_update
+    plan.specs          {role: GraphSpec}: base, draft, draft_tree.K-D-T
     plan.manifest()     the Manifest the write stage completes (files, validation)
 
 :class:`ExportPlan` is built once by the pipeline (:mod:`exporter.pipeline`) and read by trace
@@ -35,7 +35,7 @@ RUNTIME_DTYPES = ("float32", "float16")
 # graph dtype -> ONNX TensorProto element type (onnx.TensorProto.FLOAT = 1, ...): the one map
 ONNX_DTYPES = {"float32": 1, "uint8": 2, "int8": 3, "int32": 6, "int64": 7, "bool": 9, "float16": 10, "bfloat16": 16}
 
-TRACED_ROLES = ("base", "draft")  # graphs traced from the model; kv_update graphs are built (exporter.kvgraph)
+TRACED_ROLES = ("base", "draft")  # graphs traced from the model (the device graphs: exporter.kvgraph)
 
 
 def is_traced(role: str) -> bool:
@@ -139,7 +139,7 @@ def draft_dims(model, dtype: str) -> C.ModelDims:
 
 
 def graph_specs(model, dtype: str) -> dict[str, C.GraphSpec]:
-    """The contract of every graph this model exports to, one-call trees aside: base, draft, K/V updates."""
+    """The contract of every graph this model exports to, one-call trees aside: base, draft."""
     dims = model_dims(model, dtype)
     n_aux = len(aux_layer_ids(model))
     specs = {"base": C.base_graph_spec(dims, n_aux=n_aux)}
@@ -152,13 +152,8 @@ def graph_specs(model, dtype: str) -> dict[str, C.GraphSpec]:
         specs["draft"] = C.eagle_graph_spec(draft_dims(model, dtype), len(mod.layers), vocab, n_aux=n_aux)
     elif mode == "dflash":
         specs["draft"] = C.dflash_graph_spec(draft_dims(model, dtype), len(model.dflash_module.layers), n_aux)
-    # device-side K/V writes for IO binding (graphs.device): one per cache layout
-    specs["kv_update"] = C.kv_update_graph_spec(2 * dims.num_layers, dims.num_kv_heads, dims.head_dim, dtype,
-                                                "kv_update.onnx")
-    if mode == "eagle":
-        dd = draft_dims(model, dtype)
-        specs["draft_kv_update"] = C.kv_update_graph_spec(2 * dd.num_layers, dd.num_kv_heads, dd.head_dim, dtype,
-                                                          "draft_kv_update.onnx")
+    # (the device path's small graphs are built by exporter.optimize beside a base that writes its
+    # K/V in place: exporter.kvgraph, graphs.device)
     return specs
 
 
@@ -263,7 +258,7 @@ class ExportPlan:
     dtype: str
     opset: int
     source: dict
-    specs: dict[str, C.GraphSpec]  # every graph: base, draft, kv_update, draft_kv_update, draft_tree.*
+    specs: dict[str, C.GraphSpec]  # every graph: base, draft, draft_tree.*
     drafter: dict | None
     tree: dict  # the default tree, and ``eagle_trees`` listing the baked one-call graphs
     generation: dict
@@ -273,11 +268,6 @@ class ExportPlan:
     @property
     def traced_roles(self) -> list[str]:
         return [r for r in self.specs if is_traced(r)]
-
-    @property
-    def built_roles(self) -> list[str]:
-        """K/V update graphs, built with onnx.helper rather than traced."""
-        return [r for r in self.specs if not is_traced(r)]
 
     def manifest(self) -> Manifest:
         """The manifest of this plan; the write stage adds ``files`` (sha256), validate ``validation``."""
@@ -298,7 +288,7 @@ def build_plan(model, model_dir=None, *, dtype: str = "float32", opset: int = OP
         ctx = getattr(model.config, "max_position_embeddings", None)
         for cfg in trees:
             check_tree(*cfg, max_positions=ctx if isinstance(ctx, int) and ctx > 0 else None)
-        specs |= tree_graph_specs(model, dtype, trees)  # listed after the K/V updates, as always
+        specs |= tree_graph_specs(model, dtype, trees)  # listed after the base and draft, as always
         tree["eagle_trees"] = [{"topk": k, "depth": d, "total_tokens": t, "graph": C.eagle_tree_role(k, d, t)}
                                for k, d, t in trees]
     elif eagle_trees:

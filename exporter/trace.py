@@ -1,6 +1,6 @@
 """The trace stage: traceable wrappers for the base and draft graphs, and their ONNX export.
 
-    trace_graphs(model, plan, tmp)   every graph of the plan into tmp (traced, or built: K/V updates)
+    trace_graphs(model, plan, tmp)   every graph of the plan into tmp (traced)
 
 Each wrapper's ``forward`` takes exactly the graph contract's inputs, in order, and returns its
 outputs, in order (:mod:`graphs.contract`). Submodules keep the HF attribute names (``model``,
@@ -296,12 +296,10 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 def trace_graphs(model, plan, tmp: Path, *, external_data_bytes: int | None = None, steps=None) -> list[str]:
     """Every graph of ``plan`` (:class:`exporter.plan.ExportPlan`) into ``tmp``: the traced ones from
-    ``model`` cast to the plan's dtype, the K/V updates built. Returns the roles written.
+    ``model`` cast to the plan's dtype. Returns the roles written.
 
     ``steps``: the export's progress (:class:`exporter.pipeline.Steps`), or None."""
     import copy
-
-    from exporter.kvgraph import build_kv_update
 
     step = steps or (lambda what: contextlib.nullcontext())
     traced = model if plan.dtype == "float32" else copy.deepcopy(model).to(TORCH_DTYPES[plan.dtype])
@@ -314,8 +312,6 @@ def trace_graphs(model, plan, tmp: Path, *, external_data_bytes: int | None = No
             trace_one(traced, "draft", plan.specs["draft"], tmp, plan.opset, external_data_bytes)
         for role in trees:  # one-call EAGLE-2 trees (exporter.eagle_tree)
             trace_one(traced, role, plan.specs[role], tmp, plan.opset, external_data_bytes)
-        for role in plan.built_roles:
-            build_kv_update(plan.specs[role], tmp / plan.specs[role].file, opset=plan.opset)
     del traced
     return list(plan.specs)
 

@@ -257,12 +257,13 @@ def compare_model(model, out_dir, provider: str = "cpu", manifest: Manifest | No
                            tolerances={role: asdict(t) for role, t in tols.items()}, quantization=quant)
     src = manifest.source
     # the cases are built for the traced contract; run_case adapts them to a base that writes K/V in place
-    traced = {r: C.concat_base_spec(s, src["num_kv_heads"], src["head_dim"]) for r, s in specs.items()}
+    traced = {r: C.concat_base_spec(s, src["num_kv_heads"], src["head_dim"]) for r, s in specs.items()
+              if is_traced(r)}
     for role in specs:
         spec, tol = specs[role], tols[role]
         session = _session(make_session, out_dir / spec.file, provider, dtype)
-        if not is_traced(role):  # K/V update: vs numpy
-            report.rows += kv_update_rows(role, session, spec, tol)
+        if not is_traced(role):  # the device path's small graphs: vs numpy (a K/V update of old exports: unread)
+            report.rows += device_rows(role, session, spec, tol) if C.is_device_role(role) else []
             del session
             continue
         try:
@@ -426,22 +427,53 @@ def held_out_row(model, session, spec: C.GraphSpec, out_dir: Path, manifest: Man
     return distance_row("base", quantization, what, ids, ref, got.astype(np.float32))
 
 
-def kv_update_rows(role: str, session, spec: C.GraphSpec, tol: Tolerance) -> list[Row]:
-    """Run the K/V update graph on random buffers (batch 2, holes) against the numpy reference."""
+def device_rows(role: str, session, spec: C.GraphSpec, tol: Tolerance) -> list[Row]:
+    """Run one of the device path's graphs (graphs.device) on random inputs against numpy."""
     rng = np.random.default_rng(0)
+    x0 = spec.inputs[0]
+    dt = _np_dtype(x0.dtype)
+    if role == C.SELECT_ROLE:
+        logits = rng.standard_normal((2, 3, 37)).astype(dt)
+        logits[1, 2, 5] = np.inf
+        got = session.run(spec.output_names, {C.LOGITS: logits})
+        want = [logits.argmax(-1), np.isnan(logits).any(-1) | np.isposinf(logits).any(-1)]
+        return [Row(graph=role, case="select_b2", output=name, shape=list(g.shape),
+                    **compare_arrays(w.astype(np.float32), g.astype(np.float32), tol, ""))
+                for name, w, g in zip(spec.output_names, want, got)]
+    if role == C.ROWS_ROLE:
+        x = rng.standard_normal((6, 5)).astype(dt)
+        idx = np.array([4, 0, 4])
+        got = session.run(spec.output_names, {C.ROWS_IN: x, C.ROW_INDEX: idx})[0]
+        return [Row(graph=role, case="rows", output=C.ROWS_OUT, shape=list(got.shape),
+                    **compare_arrays(x[idx].astype(np.float32), got.astype(np.float32), tol, ""))]
     n = sum(1 for t in spec.inputs if t.name.startswith("cache."))
-    kv, hd = spec.inputs[0].dims[1], spec.inputs[0].dims[3]
-    dt = _np_dtype(spec.inputs[0].dtype)
-    caches = [rng.standard_normal((2, kv, 12, hd)).astype(dt) for _ in range(n)]
-    new = [rng.standard_normal((2, kv, 5, hd)).astype(dt) for _ in range(n)]
-    idx, start = np.array([[0, 3, 4], [2, 0, 0]]), 6
-    feed = {C.cache_in(j): caches[j] for j in range(n)} | {C.cache_new(j): new[j] for j in range(n)}
-    got = session.run(spec.output_names, feed | {C.ACCEPT_INDEX: idx, C.WRITE_START: np.array([start])})
+    dims = [2 if d == C.BATCH else 12 if isinstance(d, str) else d for d in x0.dims]
+    caches = [rng.standard_normal(dims).astype(dt) for _ in range(n)]
+    axis = len(dims) - 2
+    feed = {C.cache_in(j): caches[j] for j in range(n)}
+    if role == C.COMPACT_ROLE:
+        src, write = np.array([[6, 8, 9], [4, 4, 5]]), np.array([6, 3])
+        feed |= {C.SRC_COLUMNS: src, C.KV_WRITE: write}
+    else:
+        pads = [0] * (2 * len(dims))
+        pads[len(dims) + axis] = 4
+        feed[C.PADS] = np.array(pads, dtype=np.int64)
+    got = session.run(spec.output_names, feed)
     rows = []
     for j in range(n):
-        want = caches[j].copy()
-        want[:, :, start : start + 3] = np.take_along_axis(new[j], idx[:, None, :, None], axis=2)
-        rows.append(Row(graph=role, case="write_b2_holes", output=spec.output_names[j], shape=list(got[j].shape),
+        c = caches[j]
+        if role == C.COMPACT_ROLE:
+            want = c.copy()
+            for b in range(2):
+                kept = np.take(c[b], src[b], axis=axis - 1)
+                idx = [slice(None)] * (len(dims) - 1)
+                idx[axis - 1] = slice(write[b], write[b] + src.shape[1])
+                want[b][tuple(idx)] = kept
+        else:
+            widths = [(0, 0)] * len(dims)
+            widths[axis] = (0, 4)
+            want = np.pad(c, widths)
+        rows.append(Row(graph=role, case="kv_b2", output=spec.output_names[j], shape=list(got[j].shape),
                         **compare_arrays(want.astype(np.float32), got[j].astype(np.float32), tol, "")))
     return rows
 
@@ -451,14 +483,17 @@ def check_same_model(model, specs: dict[str, C.GraphSpec], dtype: str, out_dir: 
     baked = [r for r in specs if is_tree_role(r)]  # one-call EAGLE trees, as exported
     eagle = getattr(model, "spec_mode", None) == "eagle"
     want = build_plan(model, dtype=dtype, eagle_trees=[parse_tree_role(r) for r in baked] if eagle else None).specs
-    if set(want) != set(specs):
+    # the traced graphs; the device path's follow from the base (a K/V update of an older export: unread)
+    if C.kv_in_place(specs["base"]) and any(C.is_device_role(r) for r in specs):
+        want |= {r: s for r, s in C.device_graph_specs(specs["base"]).items()}
+    if set(want) != {r for r in specs if is_traced(r) or C.is_device_role(r)}:
         kind = getattr(model, "spec_mode", None) or "no drafter"
         raise UserError(
             f"{out_dir} holds graphs {sorted(specs)} but this model ({kind}) exports to {sorted(want)}: "
             f"compare it with the model_dir (and --drafter) it was exported from"
         )
     for role, spec in want.items():
-        if C.kv_in_place(specs[role]):  # optimized: the same contract with its K/V written in place
+        if is_traced(role) and C.kv_in_place(specs[role]):  # optimized: the same contract with its K/V written in place
             spec = C.inplace_base_spec(spec, C.kv_layout(specs[role]))
         if spec.to_json() != specs[role].to_json():
             raise UserError(

@@ -358,8 +358,6 @@ def inplace_dflash_spec(spec: GraphSpec) -> GraphSpec:
     return GraphSpec(file=spec.file, inputs=tuple(inputs), outputs=tuple(outputs))
 
 
-ACCEPT_INDEX = "accept_index"
-WRITE_START = "write_start"
 CAPACITY = "capacity"
 ACCEPTED = "accepted"
 
@@ -368,30 +366,108 @@ def cache_in(j: int) -> str:
     return f"cache.{j}"
 
 
-def cache_new(j: int) -> str:
-    return f"new.{j}"
-
-
 def cache_out(j: int) -> str:
     return f"cache_out.{j}"
 
 
-def kv_update_graph_spec(num_tensors: int, kv_heads: int, head_dim: int, dtype: str, file: str) -> GraphSpec:
-    """The device-side K/V write used with IO binding (CUDA): one gather + one scatter per tensor.
+# --------------------------------------------------------------------------------------------
+# The device path's small graphs (graphs.device): built by ``exporter.optimize`` beside a base that
+# writes its K/V in place, listed in the manifest under these roles (hashed like every graph)
 
-    ``cache.{j}`` (B, kv, capacity, hd) are the preallocated cache buffers (K then V per layer),
-    ``new.{j}`` (B, kv, S, hd) a graph's ``present`` outputs, ``accept_index`` (B, A) which new rows
-    to keep, ``write_start`` (1,) the first column to write. ``cache_out.{j}`` is bound to the same
-    buffer as ``cache.{j}``, so the update happens in place on the device::
+DEVICE_PREFIX = "device."
+SELECT_ROLE = "device.select"  # the verify's logits -> each node's argmax and whether its row is finite
+COMPACT_ROLE = "device.kv_compact"  # accepted nodes moved down in every K/V buffer, one call a step
+COPY_ROLE = "device.kv_copy"  # a K/V buffer copied (zero-padded): growth, a row moved into a freed one
+ROWS_ROLE = "device.rows"  # a few rows of an output brought back (features, a prefill's last logits)
+SAMPLE_ROLE = "device.sample"  # sampled rows: each node's probabilities of the tree's tokens, draws from it
+DEVICE_ROLES = (SELECT_ROLE, COMPACT_ROLE, COPY_ROLE, ROWS_ROLE, SAMPLE_ROLE)
+SAMPLE_DRAWS = 4  # draws per node from its distribution (the host takes the first one not rejected)
+ARGMAX = "argmax"
+NONFINITE = "nonfinite"
+SRC_COLUMNS = "src_columns"
+PADS = "pads"
+ROWS_IN, ROW_INDEX, ROWS_OUT = "x", "row_index", "rows"
+FEATURES = "features"
+NODE_TOKENS = "node_tokens"
+TEMPERATURE, TOP_K, TOP_P, UNIFORMS = "temperature", "top_k", "top_p", "uniforms"
+NODE_PROBS, DRAWS = "node_probs", "draws"
 
-        cache_out[j][:, :, w : w + A] = gather(new[j], accept_index, axis=2)
+
+def is_device_role(role: str) -> bool:
+    return role.startswith(DEVICE_PREFIX)
+
+
+def select_graph_spec(dtype: str, file: str = "device_select.onnx") -> GraphSpec:
+    """``logits`` [B, S, vocab] -> ``argmax`` int64 [B, S] (the first of equal logits, as numpy's) and
+    ``nonfinite`` bool [B, S] (a nan or +inf in that node's logits: the host's greedy walk refuses it)."""
+    return GraphSpec(file=file, inputs=(TensorSpec(LOGITS, dtype, (BATCH, SEQ, "vocab")),),
+                     outputs=(TensorSpec(ARGMAX, "int64", (BATCH, SEQ)), TensorSpec(NONFINITE, "bool", (BATCH, SEQ))))
+
+
+def _kv_buffer_dims(base: GraphSpec) -> tuple:
+    dims = base.input(past_key(0)).dims
+    return (BATCH, CAPACITY, dims[2]) if len(dims) == 3 else (BATCH, dims[1], CAPACITY, dims[3])
+
+
+def kv_compact_graph_spec(base: GraphSpec, file: str = "device_kv_compact.onnx") -> GraphSpec:
+    """Every K/V buffer of ``base`` (its layout) at once: row b keeps ``src_columns[b, j]`` at column
+    ``kv_write_index[b] + j`` (GatherElements, then TensorScatter at each row's own column); each
+    ``cache_out.j`` is bound to the buffer of ``cache.j``, so the move happens in place::
+
+        cache.{j} [B, capacity, kv*hd] (or [B, kv, capacity, hd]), src_columns int64 [B, A],
+        kv_write_index int64 [B] -> cache_out.{j}
     """
-    dims = (BATCH, kv_heads, CAPACITY, head_dim)
-    inputs = [TensorSpec(cache_in(j), dtype, dims) for j in range(num_tensors)]
-    inputs += [TensorSpec(cache_new(j), dtype, (BATCH, kv_heads, SEQ, head_dim)) for j in range(num_tensors)]
-    inputs += [TensorSpec(ACCEPT_INDEX, "int64", (BATCH, ACCEPTED)), TensorSpec(WRITE_START, "int64", (1,))]
-    outputs = [TensorSpec(cache_out(j), dtype, dims) for j in range(num_tensors)]
-    return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(outputs))
+    n = sum(1 for t in base.inputs if t.name.startswith("past_key_values."))
+    dt = base.input(past_key(0)).dtype
+    dims = _kv_buffer_dims(base)
+    inputs = [TensorSpec(cache_in(j), dt, dims) for j in range(n)]
+    inputs += [TensorSpec(SRC_COLUMNS, "int64", (BATCH, ACCEPTED)), TensorSpec(KV_WRITE, "int64", (BATCH,))]
+    return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(TensorSpec(cache_out(j), dt, dims)
+                                                                     for j in range(n)))
+
+
+def kv_copy_graph_spec(base: GraphSpec, file: str = "device_kv_copy.onnx") -> GraphSpec:
+    """Every K/V buffer copied into another, zero-padded by ``pads`` (ONNX Pad's, one for all): a
+    growth (the old buffers into larger ones) or a row moved (pads 0, bound to two rows' memory)."""
+    n = sum(1 for t in base.inputs if t.name.startswith("past_key_values."))
+    dt = base.input(past_key(0)).dtype
+    dims = _kv_buffer_dims(base)
+    out_dims = tuple("out_" + d if isinstance(d, str) else d for d in dims)
+    inputs = [TensorSpec(cache_in(j), dt, dims) for j in range(n)] + [TensorSpec(PADS, "int64", (2 * len(dims),))]
+    return GraphSpec(file=file, inputs=tuple(inputs), outputs=tuple(TensorSpec(cache_out(j), dt, out_dims)
+                                                                     for j in range(n)))
+
+
+def rows_graph_spec(dtype: str, file: str = "device_rows.onnx") -> GraphSpec:
+    """``x`` [M, features] (an output's rows, flattened), ``row_index`` int64 [K] -> ``rows`` [K, features]."""
+    return GraphSpec(file=file, inputs=(TensorSpec(ROWS_IN, dtype, ("rows_in", FEATURES)),
+                                        TensorSpec(ROW_INDEX, "int64", ("rows_out",))),
+                     outputs=(TensorSpec(ROWS_OUT, dtype, ("rows_out", FEATURES)),))
+
+
+def sample_graph_spec(dtype: str, file: str = "device_sample.onnx") -> GraphSpec:
+    """Sampled rows (graphs.sampling.process_logits on the device, float32: temperature, then top-k with
+    ties at the k-th kept, then top-p by rank)::
+
+        logits [B, S, vocab], node_tokens int64 [B, S] (the tree's tokens), temperature float [B],
+        top_k int64 [B] (1..vocab: the host maps 0 to vocab), top_p float [B], uniforms float [B, S, R]
+        -> node_probs float [B, S, S]  [b, n, m] = p_n(node_tokens[b, m]) (what the rejection rule reads)
+           draws int64 [B, S, R]       from p_n by the uniforms (inverse CDF: the first index whose
+                                       cumulative mass exceeds u * total; vocab where rounding ran out)
+    """
+    b, s, r = BATCH, SEQ, "draws"
+    inputs = (TensorSpec(LOGITS, dtype, (b, s, "vocab")), TensorSpec(NODE_TOKENS, "int64", (b, s)),
+              TensorSpec(TEMPERATURE, "float32", (b,)), TensorSpec(TOP_K, "int64", (b,)),
+              TensorSpec(TOP_P, "float32", (b,)), TensorSpec(UNIFORMS, "float32", (b, s, r)))
+    outputs = (TensorSpec(NODE_PROBS, "float32", (b, s, s)), TensorSpec(DRAWS, "int64", (b, s, r)))
+    return GraphSpec(file=file, inputs=inputs, outputs=outputs)
+
+
+def device_graph_specs(base: GraphSpec) -> dict:
+    """The device path's graphs for ``base`` (K/V in place), by manifest role."""
+    dt = base.output(LOGITS).dtype
+    return {SELECT_ROLE: select_graph_spec(dt), COMPACT_ROLE: kv_compact_graph_spec(base),
+            COPY_ROLE: kv_copy_graph_spec(base), ROWS_ROLE: rows_graph_spec(dt), SAMPLE_ROLE: sample_graph_spec(dt)}
 
 
 # --------------------------------------------------------------------------------------------

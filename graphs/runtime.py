@@ -59,7 +59,8 @@ class Decoder:
 
     def __init__(self, out_dir, provider: str = "auto", threads: int | None = None, optimization: str = "all",
                  verify: bool = True, io_binding: bool | None = None, device_id: int = 0, session_options=None,
-                 provider_options: dict | None = None, eagle_draft: str = "auto", adaptive: bool = True):
+                 provider_options: dict | None = None, eagle_draft: str = "auto", adaptive: bool = True,
+                 device_resident: bool = False):
         _no_io_binding(io_binding)
         self.out_dir = Path(out_dir)
         self.manifest = m = Manifest.read(self.out_dir, verify=verify)
@@ -77,6 +78,12 @@ class Decoder:
         self.model = HostModel(self.out_dir, m, self.provider, make_session, threads, optimization, device_id,
                                session_options, provider_options, eagle_draft, verify)
         self.requests = RequestMaker(self.out_dir, m, self.model.max_positions, adaptive, eagle_draft)
+        self.device_model = None  # the device path's sessions (graphs.device), where asked for
+        if device_resident:
+            from graphs.device import DeviceModel
+
+            self.device_model = DeviceModel(self.model, make_session, (self.provider, threads, optimization, device_id,
+                                                                       session_options, provider_options), device_id)
 
     def __getattr__(self, name):
         for part in ("model", "requests"):
@@ -107,7 +114,11 @@ class Decoder:
         at every step, each with its own parameters and speculation switch. ``first_id``: its first
         request id (a server's engine rebuilt after a failure continues its predecessor's ids); ``kv``:
         an idle K/V cache of an earlier engine to reuse where it fits (:meth:`_spare_kv`)."""
-        def executor(slots: int, max_len: int, headroom: int) -> HostExecutor:
+        def executor(slots: int, max_len: int, headroom: int):
+            if self.device_model is not None:  # K/V and logits on the device (graphs.device)
+                from graphs.device import DeviceExecutor
+
+                return DeviceExecutor(self.device_model, slots, max_len, headroom)
             return HostExecutor(self.model, slots, max_len, headroom, kv)
 
         return Engine(executor, self.requests, config, planner or self.new_planner(), self._watch, keep_kv,
@@ -169,7 +180,7 @@ class Decoder:
         max_len = min(longest + new + 1, self.model.max_positions)
         cfg = batch_config(self.manifest.source, self.model.dtype, len(prompts), longest, max(max_len, 2))
         # (see _spare_kv; with min_rows > 1 a one-token prefill is padded into a call the base runs)
-        spare = len(prompts) == 1 and self.model.lends_kv
+        spare = len(prompts) == 1 and self.model.lends_kv and self.device_model is None
         engine = self.engine(cfg, kv=self._spare_kv() if spare else None, keep_kv=spare, full_stats=True)
         try:
             r = Resolved(**{**p.__dict__, "max_new_tokens": new, "max_length": None})
@@ -260,7 +271,8 @@ def batch_config(source: dict, dtype, n_prompts: int, longest: int, max_len: int
 
 def load(out_dir, provider: str = "auto", threads: int | None = None, optimization: str = "all",
          verify: bool = True, io_binding: bool | None = None, device_id: int = 0, session_options=None,
-         provider_options: dict | None = None, eagle_draft: str = "auto", adaptive: bool = True) -> Decoder:
+         provider_options: dict | None = None, eagle_draft: str = "auto", adaptive: bool = True,
+         device_resident: bool = False) -> Decoder:
     """Build a :class:`Decoder` from an export directory (checks every file's sha256 first).
 
     ``provider``: "auto" (CUDA EP when onnxruntime-gpu sees a GPU, else CPU EP), "cuda", "cpu".
@@ -274,7 +286,10 @@ def load(out_dir, provider: str = "auto", threads: int | None = None, optimizati
     (graphs.adaptive); greedy output is the same either way and sampling keeps the base distribution.
     The choices follow measured times, so the policy is off for seeded sampling runs (``seed=...``,
     temperature > 0): those stay reproducible.
+    ``device_resident``: K/V and logits stay on the session's device (:mod:`graphs.device`; the CPU EP
+    runs the same code with OrtValues on the CPU); needs an export optimized by this version.
     """
     return Decoder(out_dir, provider=provider, threads=threads, optimization=optimization, verify=verify,
                    io_binding=io_binding, device_id=device_id, session_options=session_options,
-                   provider_options=provider_options, eagle_draft=eagle_draft, adaptive=adaptive)
+                   provider_options=provider_options, eagle_draft=eagle_draft, adaptive=adaptive,
+                   device_resident=device_resident)

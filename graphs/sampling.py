@@ -53,6 +53,16 @@ def greedy_accept(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> tuple[l
         check_finite(logits[0][t])
         return [0], t
     best = np.argmax(logits, axis=-1).tolist()  # (T,) the base's token after each node: one call
+    accepted, t = greedy_walk(tree, tokens, best)
+    # every choice the walk made, checked at once (a nan or +inf among them: no real choice)
+    check_finite(logits[accepted, [best[i] for i in accepted]])
+    return accepted, t
+
+
+def greedy_walk(tree: Tree, tokens, best: list) -> tuple[list[int], int]:
+    """The walk of :func:`greedy_accept` over ``best`` (T,), the base's argmax after each node (the
+    device path's selection graph computes it beside the logits; the caller checks the walked nodes'
+    logits were finite)."""
     toks = np.asarray(tokens).tolist()
     kids = tree.child_lists
     accepted = [0]
@@ -65,9 +75,7 @@ def greedy_accept(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> tuple[l
                 accepted.append(n)
                 break
         else:
-            # every choice the walk made, checked at once (a nan or +inf among them: no real choice)
-            check_finite(logits[accepted, [best[i] for i in accepted]])
-            return accepted, t
+            return accepted, int(t)
 
 
 def process_logits(logits: np.ndarray, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
@@ -134,17 +142,24 @@ def sample_accept(
     second w.p. 0; else the third w.p. .2 / .7; else the bonus is 0 (all that is left).
     """
     tokens = np.asarray(tokens)
+    return sample_walk(tree, tokens, rng, lambda n: float(probs[n].sum()),
+                       lambda n, c: float(probs[n][tokens[c]]), lambda n, rejected: _draw(probs[n], rejected, rng))
+
+
+def sample_walk(tree: Tree, tokens: np.ndarray, rng: np.random.Generator, mass, prob, draw) -> tuple[list[int], int]:
+    """The walk of :func:`sample_accept` over what it reads of each node's distribution ``p_n``:
+    ``mass(n)`` sum(p_n), ``prob(n, c)`` p_n of child c's token, ``draw(n, rejected)`` a token from p_n
+    with the ``rejected`` tokens zeroed (the device path reads them from its selection graph)."""
     accepted = [0]
     n = 0
     while True:
-        p = probs[n]  # (V,)
-        left = float(p.sum())  # sum(r)
+        left = mass(n)  # sum(r)
         rejected: list[int] = []  # tokens x with r[x] = 0
         nxt = -1
         for c, x in zip(tree.children[n].tolist(), tokens[tree.children[n]].tolist()):
             if x in rejected:
                 continue
-            px = float(p[x])
+            px = prob(n, c)
             if rng.random() * left < px:
                 nxt = c
                 break
@@ -153,7 +168,7 @@ def sample_accept(
             if left <= 0.0:  # only from rounding: nothing left to accept
                 break
         if nxt < 0:
-            return accepted, _draw(p, rejected, rng)
+            return accepted, draw(n, rejected)
         accepted.append(nxt)
         n = nxt
 
@@ -191,6 +206,11 @@ def typical_accept(
             return accepted, _draw(p, [], rng)
         n = int(kids[ok[0]])
         accepted.append(n)
+
+
+def draw_excluding(p: np.ndarray, rejected: list[int], rng: np.random.Generator) -> int:
+    """One token from ``p`` with the ``rejected`` tokens zeroed (the bonus draw of :func:`sample_accept`)."""
+    return _draw(p, rejected, rng)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

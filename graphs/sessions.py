@@ -74,7 +74,7 @@ def check_threads(threads) -> int | None:
 def use_shared_thread_pool(threads: int | None = None) -> bool:
     """Run every session of this process on one ORT thread pool. Call once, before any session.
 
-    The decoder alternates between sessions (draft, verify, K/V update); with a pool per session,
+    The decoder alternates between sessions (draft, verify); with a pool per session,
     either the idle pools' spinning threads steal the cores the running one needs, or (spinning off,
     the default here) every run pays to wake its threads. Measured on 2 cores, 19M-parameter Llama
     with Medusa (autoregressive / speculative tok/s): per-session pools with spinning 228 / 228,
@@ -195,7 +195,7 @@ def default_session_options(threads: int | None = None, optimization: str = "all
         if threads:
             opts.intra_op_num_threads = threads
         # Separate pools whose threads spin after each run steal the cores the next session needs
-        # (the decoder alternates draft, verify and K/V update): don't spin.
+        # (the decoder alternates draft and verify): don't spin.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
     return opts

@@ -65,7 +65,7 @@ def test_quantized_base_reports_distance_not_parity(exported, tiny_model_dir, tm
     assert "held-out text, teacher-forced" in stdout and "perplexity" in stdout
     report = json.loads(report_file.read_text())
     assert report["ok"] is True and report["parity"] is False
-    assert report["quantization"] == {"base": f"int{bits}", "draft": "none", "kv_update": "none"}
+    assert report["quantization"] == {"base": f"int{bits}", "draft": "none"}
     base = [r for r in report["rows"] if r["graph"] == "base"]
     logits = [r for r in base if r["output"] == C.LOGITS]
     assert {r["check"] for r in logits} == {"distance"}
@@ -90,7 +90,7 @@ def test_declared_records_without_quantization_mean_none(exported, tmp_path):
     data["optimization"] = {"base": {"passes": ["rms_norm"], "dtype": "float32", "quantization": "none"},
                             "kv_update": {"passes": ["float16"], "dtype": "float16", "quantization": None}}
     (out / MANIFEST).write_text(json.dumps(data))
-    assert graph_quantization(out, Manifest.read(out)) == {"base": "none", "draft": "none", "kv_update": "none"}
+    assert graph_quantization(out, Manifest.read(out)) == {"base": "none", "draft": "none"}
 
 
 @pytest.mark.parametrize(("value", "name"), [
@@ -130,7 +130,7 @@ def test_broken_quantized_base_fails_its_quality_thresholds(exported, tiny_model
 def test_raw_export_keeps_parity_and_distance_on_request(exported, tiny_model_dir, capsys, tmp_path):
     model_dir, out = tiny_model_dir("medusa"), exported("medusa")
     report = compare(model_dir, out)
-    assert report.quantization == {"base": "none", "draft": "none", "kv_update": "none"}
+    assert report.quantization == {"base": "none", "draft": "none"}
     assert report.distance == [] and report.to_json()["parity"] is True
     assert {r.check for r in report.rows} == {"parity"}
     text = tmp_path / "held_out.txt"

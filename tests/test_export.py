@@ -213,7 +213,7 @@ def test_files_hashed_and_copied(cli_exports, case):
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out_dir / name).read_bytes() == (model_dir / name).read_bytes()
     assert manifest.tokenizer == "tokenizer.json"
-    kv = {"kv_update.onnx"} | ({"draft_kv_update.onnx", "draft_tree_2_3_6.onnx"} if case[1] != "medusa" else set())
+    kv = {"draft_tree_2_3_6.onnx"} if case[1] != "medusa" else set()  # (no K/V update graphs: nothing reads them)
     assert {n for n in on_disk if n.endswith(".onnx")} == {"base.onnx", "draft.onnx"} | kv
     assert not any(n.endswith(".data") for n in on_disk)  # tiny: weights inline
 
@@ -238,13 +238,13 @@ def test_base_model_without_drafter_says_so(main_exports):
     assert [int(n) for n, _ in STEP_DONE.findall(proc.stdout)] == [1, 2, 3, 4, 5]
     assert "no drafter" in proc.stdout and "base graph alone" in proc.stdout
     assert "trace draft graph (none: base only)" in proc.stdout
-    assert re.search(r"^exported base\.onnx, kv_update\.onnx to ", proc.stdout, re.M)  # every graph file
-    assert sorted(p.name for p in out_dir.glob("*.onnx")) == ["base.onnx", "kv_update.onnx"]
+    assert re.search(r"^exported base\.onnx to ", proc.stdout, re.M)  # every graph file
+    assert sorted(p.name for p in out_dir.glob("*.onnx")) == ["base.onnx"]
     manifest = assert_graphs_match_manifest(out_dir)
-    assert set(manifest.graphs) == {"base", "kv_update"} and manifest.drafter is None and manifest.tree == {}
+    assert set(manifest.graphs) == {"base"} and manifest.drafter is None and manifest.tree == {}
     assert (out_dir / "tokenizer.json").is_file() and manifest.tokenizer == "tokenizer.json"
     report = compare(model_dir, out_dir)
-    assert report.ok and {r.graph for r in report.rows} == {"base", "kv_update"}
+    assert report.ok and {r.graph for r in report.rows} == {"base"}
 
 
 @pytest.mark.parametrize(("model_type", "kind"), [("llama", "medusa"), ("qwen3", "eagle3")])
@@ -323,7 +323,7 @@ def test_export_with_external_drafter(plain_base_and_drafter, tmp_path, capsys):
     assert main([str(base_dir), "--drafter", str(drafter_dir), str(out)]) == 0
     assert "no drafter" not in capsys.readouterr().out
     manifest = assert_graphs_match_manifest(out)
-    assert manifest.drafter["kind"] == "medusa" and set(manifest.graphs) == {"base", "draft", "kv_update"}
+    assert manifest.drafter["kind"] == "medusa" and set(manifest.graphs) == {"base", "draft"}
     report = compare(base_dir, out, drafter=drafter_dir)
     assert report.ok, report.table()
     assert max(r.max_abs for r in report.rows if r.output == C.LOGITS) < LOGITS_ATOL
@@ -364,7 +364,7 @@ def test_without_tokenizer_files_nothing_is_copied(tiny_model_dir, tmp_path):
     manifest = export(model_dir, tmp_path / "onnx", validate=False, log=lambda *a, **k: None)
     assert manifest.tokenizer is None and manifest.validation == {"ok": None, "skipped": "--no-validate"}
     written = sorted(p.name for p in (tmp_path / "onnx").iterdir())
-    assert written == ["base.onnx", "config.json", "draft.onnx", "kv_update.onnx", "manifest.json"]
+    assert written == ["base.onnx", "config.json", "draft.onnx", "manifest.json"]
     assert manifest.generation["eos_token_ids"] == [2]  # from config.json
 
 

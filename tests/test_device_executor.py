@@ -1,0 +1,202 @@
+"""The device path (graphs.device) on the CPU EP: the same code as on CUDA, OrtValues on the CPU device.
+
+Greedy speculative output equals autoregressive exactly (float32) at batch > 1 with tree masks after
+a past; equals the host path's; sampled speculative decoding keeps the base distribution (the
+chi-square test of test_spec_sampling); the bytes a step brings to the host stay small at a 32k
+vocabulary; the device graphs are in the manifest (hashed), and an export without them is refused
+with one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import graphs
+from exporter.optimize import optimize_export
+from graphs import contract as C
+from graphs.errors import InputError
+from graphs.manifest import Manifest
+
+QUIET = dict(progress=None, time_gain=False, tune=False)
+PROMPTS = [[5, 9, 13, 40, 41, 7], [3, 3, 8], [100, 90, 80, 70, 60, 50, 40, 30, 20, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def device_export(exported, tmp_path_factory):
+    """The tiny Medusa export, optimized (fused, K/V written in place, the device graphs beside it)."""
+    out = tmp_path_factory.mktemp("device") / "out"
+    shutil.copytree(exported("medusa"), out)
+    optimize_export(out, **QUIET)
+    return out
+
+
+def test_the_device_graphs_are_in_the_manifest(device_export):
+    m = Manifest.read(device_export)
+    for role in C.DEVICE_ROLES:
+        assert role in m.graphs and m.graphs[role].file in m.files  # hashed like every graph
+    assert "kv_update" not in m.graphs  # read by nothing: dropped by optimize
+    assert not (device_export / "kv_update.onnx").exists()
+
+
+def test_greedy_speculative_equals_autoregressive_on_the_device_path(device_export):
+    dec = graphs.load(device_export, provider="cpu", threads=1, device_resident=True)
+    dec.eos = set()
+    ar = dec.generate(PROMPTS, max_new_tokens=24, mode="autoregressive")
+    sp = dec.generate(PROMPTS, max_new_tokens=24, mode="speculative", speculation="on")
+    assert [r.token_ids for r in sp] == [r.token_ids for r in ar]
+    assert sp[0].stats.speculative_steps > 0 and sp[0].stats.mean_accepted_length > 1.0
+    host = graphs.load(device_export, provider="cpu", threads=1)
+    host.eos = set()
+    want = host.generate(PROMPTS, max_new_tokens=24, mode="speculative", speculation="on")
+    assert [r.token_ids for r in sp] == [r.token_ids for r in want]
+
+
+def test_rows_leave_and_join_on_the_device(device_export):
+    """A row that finishes early moves the last row into its place on the device (device.kv_copy);
+    the others go on exactly, and K/V growth past the first bucket copies on the device too."""
+    dec = graphs.load(device_export, provider="cpu", threads=1, device_resident=True)
+    dec.eos = set()
+    host = graphs.load(device_export, provider="cpu", threads=1)
+    host.eos = set()
+    prompts = [*PROMPTS, [7, 8, 9, 10]]
+    lens = [5, 80, 12, 40]  # row 0 leaves first: row 3 moves into it; 80 tokens grow past 64 columns
+    got = [dec.generate([p], max_new_tokens=n, mode="speculative", speculation="on")[0].token_ids
+           for p, n in zip(prompts, lens)]
+    eng = dec.engine()
+    from graphs.params import GenerationParams
+
+    ids = [eng.add_request(p, GenerationParams(max_new_tokens=n, speculation="on")) for p, n in zip(prompts, lens)]
+    toks = {i: [] for i in ids}
+    while eng.has_pending_requests():
+        for e in eng.step():
+            toks[e.request_id] += list(e.token_ids)
+    assert [toks[i] for i in ids] == got
+    want = [host.generate([p], max_new_tokens=n, mode="autoregressive")[0].token_ids for p, n in zip(prompts, lens)]
+    assert got == want
+
+
+def test_an_export_without_the_device_graphs_is_refused_with_the_fix(exported):
+    with pytest.raises(InputError, match=r"python -m exporter.optimize"):
+        graphs.load(exported("medusa"), provider="cpu", device_resident=True)
+
+
+class _Copies:
+    """ORT's copy-out calls wrapped: the bytes they bring to the host."""
+
+    def __init__(self, monkeypatch):
+        self.bytes = 0
+
+        def wrap(cls, name, size):
+            orig = getattr(cls, name)
+
+            def f(*a, **k):
+                got = orig(*a, **k)
+                self.bytes += size(got)
+                return got
+
+            monkeypatch.setattr(cls, name, f)
+
+        arrays = lambda got: sum(getattr(x, "nbytes", 0) for x in (got if isinstance(got, list) else [got]))
+        wrap(ort.OrtValue, "numpy", arrays)
+        wrap(ort.IOBinding, "copy_outputs_to_cpu", arrays)
+        wrap(ort.IOBinding, "get_outputs", lambda got: sum(v.tensor_size_in_bytes() for v in got))
+
+
+@pytest.fixture(scope="module")
+def big_vocab_export(tmp_path_factory):
+    """A tiny Medusa model with a 32000-token vocabulary (hidden 32), exported and optimized."""
+    from conftest import build_tiny_model, save_tiny_model
+
+    from exporter.export import export
+
+    root = tmp_path_factory.mktemp("vocab32k")
+    model = build_tiny_model("llama", "medusa", vocab_size=32000, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2)
+    save_tiny_model(model, root / "model", tokenizer=False)
+    export(root / "model", root / "onnx", log=lambda *a, **k: None)
+    optimize_export(root / "onnx", **QUIET)
+    return root / "onnx"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bytes_to_the_host_per_step_stay_small_at_a_32k_vocabulary(big_vocab_export, monkeypatch, temperature):
+    """Greedy: the argmax and flags per node, the features at each row's accepted node, the heads' ids.
+    Sampled: also each node's probabilities of the tree's tokens and a few draws (device.sample)."""
+    copies = _Copies(monkeypatch)
+    dec = graphs.load(big_vocab_export, provider="cpu", threads=1, device_resident=True)
+    dec.eos = set()
+    eng = dec.engine()
+    from graphs.params import GenerationParams
+
+    for p in PROMPTS:
+        eng.add_request(p, GenerationParams(max_new_tokens=40, speculation="on", temperature=temperature, seed=3))
+    eng.step()  # the prefills: each request's last logits row comes back once (its first token)
+    ex = eng.ex
+    start, steps = ex.host_bytes, 0
+    while eng.has_pending_requests():
+        eng.step()
+        steps += 1
+    per_step = (ex.host_bytes - start) / steps
+    print(f"\ndevice path, 32k vocabulary, batch 3, temperature {temperature}: {per_step:.0f} host bytes a step "
+          f"over {steps} steps")
+    assert per_step < 64 * 1024
+    assert copies.bytes == 0  # nothing through OrtValue.numpy / copy_outputs_to_cpu / get_outputs
+    # the host path brings every verify's logits back: (rows x width x 32000 x 4 bytes)
+    assert per_step < 3 * 32000 * 4
+
+
+def test_seeded_sampling_on_the_device_path_is_reproducible(device_export):
+    dec = graphs.load(device_export, provider="cpu", threads=1, device_resident=True)
+    dec.eos = set()
+    runs = [[r.token_ids for r in dec.generate(PROMPTS, max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=40,
+                                                seed=11, speculation="on")] for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = [r.token_ids for r in dec.generate(PROMPTS, max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=40,
+                                               seed=12, speculation="on")]
+    assert other != runs[0]
+
+
+def test_sampling_on_the_device_path_keeps_the_base_distribution(tmp_path_factory):
+    """The chi-square test of test_spec_sampling, on the device path of an optimized float32 export."""
+    import torch
+    from helpers import torch_threads
+    from test_optimize import _graph_joint
+    from test_spec_sampling import (
+        BATCH,
+        DRAFTERS,
+        PROMPT,
+        VOCAB,
+        _base,
+        _distill,
+        _sampled_text,
+        chi_square,
+        sample_counts,
+    )
+
+    from exporter.export import export
+    from exporter.speculative import convert, enable_huggingface_checkpointing
+
+    root = tmp_path_factory.mktemp("sampling-device")
+    with torch_threads(1):
+        base = _base()
+        torch.manual_seed(2)
+        model = convert(_base(), [DRAFTERS["medusa"]])
+        _distill(model, _sampled_text(base, n=96, length=24, seed=1))
+        enable_huggingface_checkpointing()
+        model.save_pretrained(root / "model")
+    export(root / "model", root / "onnx", log=lambda *a, **k: None)
+    optimize_export(root / "onnx", **QUIET)
+    dec = graphs.load(root / "onnx", provider="cpu", threads=1, device_resident=True)
+    dec.eos = set()
+    counts, tau = sample_counts(dec, seeds=range(4), temperature=1.0)
+    assert tau > 1.05
+    assert counts.sum() == 4 * BATCH
+    joint = _graph_joint(dec, VOCAB, PROMPT)
+    stat, dof, p = chi_square(counts, joint)
+    print(f"\ndevice path medusa: chi2 {stat:.1f} dof {dof} p {p:.3g} tau {tau:.2f}")
+    assert p > 1e-3
+    np.testing.assert_equal(counts.sum(), 4 * BATCH)
