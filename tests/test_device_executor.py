@@ -79,6 +79,26 @@ def test_rows_leave_and_join_on_the_device(device_export):
     assert got == want
 
 
+def test_float16_device_graphs_of_a_cuda_build_on_the_cpu_ep(exported, tmp_path):
+    """The --target cuda build (float16, both attention forms; on this machine the Attention form is
+    chosen by default) through the device path on the CPU EP: float16 K/V buffers, TensorScatter, Pad
+    and the selection in float16. Greedy speculative == autoregressive within the rows bound."""
+    from helpers import assert_greedy_within_bound
+
+    out = tmp_path / "cuda"
+    shutil.copytree(exported("medusa"), out)
+    optimize_export(out, target="cuda", **QUIET)
+    m = Manifest.read(out)
+    assert m.graphs[C.COMPACT_ROLE].inputs[0].dtype == "float16"
+    dec = graphs.load(out, provider="cpu", threads=1, device_resident=True)
+    dec.eos = set()
+    ar = dec.generate(PROMPTS, max_new_tokens=16, mode="autoregressive")
+    sp = dec.generate(PROMPTS, max_new_tokens=16, mode="speculative", speculation="on")
+    bound = m.optimization["base"].get("rows_max_abs", 0.0)
+    for p, a, b in zip(PROMPTS, ar, sp):
+        assert_greedy_within_bound(dec, p, a.token_ids, b.token_ids, bound)
+
+
 def test_an_export_without_the_device_graphs_is_refused_with_the_fix(exported):
     with pytest.raises(InputError, match=r"python -m exporter.optimize"):
         graphs.load(exported("medusa"), provider="cpu", device_resident=True)

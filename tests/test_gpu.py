@@ -1,5 +1,6 @@
-"""The CUDA path end to end: float16 optimized graphs, IO binding, the in-place kv_update, greedy
-speculative == greedy autoregressive, and CUDA greedy == CPU greedy of the same graphs.
+"""The CUDA path end to end: float16 optimized graphs, IO binding, greedy speculative == greedy
+autoregressive, CUDA greedy == CPU greedy of the same graphs, and the device path (graphs.device: K/V
+and logits on the GPU, only the selection's few bytes back).
 
     python -m pytest -m gpu
 
@@ -71,6 +72,46 @@ def test_cuda_float16_greedy_speculative_equals_autoregressive(cuda_export, kind
     bound = max(max(r["single"], r["multi"]) for r in rows)
     for p, a, b in zip(PROMPTS, ar, sp):
         assert_greedy_within_bound(dec, p, a.token_ids, b.token_ids, bound)
+
+
+def test_cuda_device_path_greedy_speculative_equals_autoregressive(cuda_export):
+    """graphs.device on CUDA: K/V OrtValues on the GPU written in place, device.select after each verify,
+    device.kv_compact after it; the base file the optimize stage chose (Manifest.attention_form), batched
+    trees on the ONNX Attention form. Greedy speculative == autoregressive within the rows bound, and
+    the host path's tokens the same way; a step brings back a few hundred bytes, not the logits."""
+    from helpers import assert_greedy_within_bound
+
+    import graphs
+    from exporter.passes.parity import row_consistency
+    from graphs.manifest import Manifest
+
+    out = cuda_export("medusa")
+    m = Manifest.read(out)
+    dec = graphs.load(out, provider="cuda", device_resident=True)
+    assert dec.device_model.device == "cuda"
+    assert (dec.device_model.one is not None) == (m.attention_form == "gqa")
+    dec.eos = set()
+    ar = dec.generate(PROMPTS, max_new_tokens=24, mode="autoregressive")
+    sp = dec.generate(PROMPTS, max_new_tokens=24, mode="speculative", speculation="on")
+    src = m.source
+    rows = [row_consistency(out / m.graphs["base"].file, m.graphs["base"], src["vocab_size"], seed=seed,
+                            kv_dims=(src["num_kv_heads"], src["head_dim"]), provider="cuda") for seed in range(4)]
+    bound = max(max(r["single"], r["multi"]) for r in rows)
+    for p, a, b in zip(PROMPTS, ar, sp):
+        assert_greedy_within_bound(dec, p, a.token_ids, b.token_ids, bound)
+    host = graphs.load(out, provider="cuda")
+    host.eos = set()
+    for p, a, b in zip(PROMPTS, host.generate(PROMPTS, max_new_tokens=24, mode="autoregressive"), ar):
+        assert_greedy_within_bound(host, p, a.token_ids, b.token_ids, bound)
+    eng = dec.engine()
+    for p in PROMPTS:
+        eng.add_request(p, max_new_tokens=30, speculation="on")
+    eng.step()
+    start, steps = eng.ex.host_bytes, 0
+    while eng.has_pending_requests():
+        eng.step()
+        steps += 1
+    assert (eng.ex.host_bytes - start) / steps < 64 * 1024
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle3"])
