@@ -408,7 +408,7 @@ class DFlash(Plain):
         info = executor.info
         self.kv = executor.draft_kv
         self.feat_dim, self.dtype, self.pad = info.feature_dim, info.dtype, info.pad
-        self.block, self.mask_id = info.block_size, info.mask_token_id
+        self.block, self.mask_id, self.max_positions = info.block_size, info.mask_token_id, info.max_positions
 
     def new_state(self, req) -> DFlashState:
         return DFlashState(np.zeros((0, self.feat_dim), self.dtype), 0, int(req.tree["topk"]))
@@ -419,7 +419,9 @@ class DFlash(Plain):
         return 0.0
 
     def propose(self, rows, sizes) -> Drafts:
-        drafting = [b for b, n in enumerate(sizes) if n > 1 and rows[b] is not None and rows[b].draft is not None]
+        # (a block reaching past the model's positions is not drafted: the row verifies its root)
+        drafting = [b for b, n in enumerate(sizes) if n > 1 and rows[b] is not None and rows[b].draft is not None
+                    and rows[b].position + self.block <= self.max_positions]
         drafts = Drafts(roots(rows))
         if not drafting:
             return drafts
@@ -450,18 +452,16 @@ class DFlash(Plain):
         for b in drafting:  # (block_trees of one row at its own K: 1 is the chain)
             (tree, tokens), = block_trees(out[C.TOPK_IDS][b : b + 1], out[C.TOPK_LOGPROBS][b : b + 1],
                                           [rows[b].root], [int(sizes[b])], rows[b].draft.topk)
-            rows[b].draft.feats = rows[b].draft.feats[:0]  # in the drafter's K/V now
-            rows[b].draft.pos = rows[b].position
+            rows[b].draft.set(rows[b].draft.feats[:0], rows[b].position)  # in the drafter's K/V now
             drafts.rows[b] = Proposal(tree, tokens)
         return drafts
 
     def advance(self, rows, out, results, drafts: Drafts, sizes) -> None:
+        """The accepted nodes' features (root included) join the pending rows: after a row's draft call
+        those were emptied (in its drafter K/V now), so they become the pending rows; after a step it
+        did not draft (plain, or its block past the model's positions) they follow the rows waiting."""
         for b, r in enumerate(rows):
             res = results[b]
             if r is None or res is None or r.draft is None:
                 continue
-            feats = out[C.AUX_HIDDEN][b, res.accepted]  # (len(accepted), n_aux * H) root first
-            if sizes[b] > 1:  # drafted: the pending rows went into the drafter's K/V at propose
-                r.draft.set(feats, r.position)
-            else:
-                r.draft.extend(feats)
+            r.draft.extend(out[C.AUX_HIDDEN][b, res.accepted])  # (len(accepted), n_aux * H) root first
