@@ -14,6 +14,12 @@ the real one), so a wrong K/V commit, row move or position changes the tokens::
 Medusa heads (``kind="medusa"``): head h proposes the greedy token h + 2 positions past the hidden
 state's (the hidden state of a node is (prev, token)); rank 0 is right where ``good(h, ...)`` says
 (a hash of the context and ``hit_rate``), else rank 1 is, else neither.
+
+DFlash (``kind="dflash"``, block DFLASH_BLOCK): a position's feature (``aux_hidden_states``) is (prev,
+token); the drafter's K/V holds each context position's token, written in place at each row's length
+like the base's. A draft call checks the proposer's invariant (its cached + new context rows are
+exactly the row's tokens before the root, at their positions) and drafts slot k as the greedy token k
+past the root, rank 0 right where ``good`` says, else rank 1, else neither.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ VOCAB = 48
 EOS = 2
 TABLE = np.random.default_rng(1234).standard_normal((VOCAB, VOCAB, VOCAB)).astype(np.float32) * 3.0
 TABLE[:, :, EOS] -= 12.0  # the end token is rare: requests run to their length
+DFLASH_BLOCK, DFLASH_MASK = 4, VOCAB - 1
 
 
 def next_token(prev: int, tok: int) -> int:
@@ -58,10 +65,12 @@ class FakeExecutor:
 
     def __init__(self, slots: int, max_len: int, headroom: int, kind: str | None = "medusa", heads: int = 3,
                  hit_rate: float = 0.7, max_positions: int = 4096):
-        self.info = ModelInfo(kind, 0, VOCAB, max_positions, np.dtype(np.float32))
+        dflash = kind == "dflash"
+        self.info = ModelInfo(kind, 0, VOCAB, max_positions, np.dtype(np.float32), C.AUX_HIDDEN, 2 if dflash else 0,
+                              DFLASH_BLOCK if dflash else 0, DFLASH_MASK if dflash else 0)
         self.kv = SlotCache(1, slots, 1, 1, np.float32, max_len, headroom=headroom, bucket=16)
         self.kv.limit = max_len + headroom
-        self.draft_kv = None
+        self.draft_kv = SlotCache(1, slots, 1, 1, np.float32, max_len, headroom=headroom, bucket=16) if dflash else None
         self.heads, self.hit_rate = heads, hit_rate
         self.calls: list[tuple[str, int, int]] = []  # (kind, rows, width)
 
@@ -71,14 +80,20 @@ class FakeExecutor:
         return self.kv.n
 
     def add_row(self) -> int:
+        if self.draft_kv is not None:
+            self.draft_kv.add_row()
         return self.kv.add_row()
 
     def remove_row(self, b: int) -> None:
         self.kv.remove_row(b)
+        if self.draft_kv is not None:
+            self.draft_kv.remove_row(b)
 
     def shrink(self, keep_base: bool = False) -> None:
         if not keep_base:
             self.kv.shrink()
+        if self.draft_kv is not None:
+            self.draft_kv.shrink()
 
     def memory(self) -> dict:
         return {"kv_budget_bytes": self.kv.budget_bytes, "kv_allocated_bytes": self.kv.allocated_bytes}
@@ -107,7 +122,7 @@ class FakeExecutor:
                 prev = int(tokens[i][par]) if par >= 0 else self._cached(b, w - 1)
                 logits[i, j], hidden[i, j] = TABLE[prev, int(tok)], (prev, int(tok))
                 self._write(b, w + j, int(tok))
-        return {C.LOGITS: logits, C.HIDDEN: hidden}
+        return {C.LOGITS: logits, C.HIDDEN: hidden, C.AUX_HIDDEN: hidden}
 
     def prefill(self, first: int, ids, pos, mask) -> dict:
         bsz, s = ids.shape
@@ -155,10 +170,47 @@ class FakeExecutor:
         return True
 
     def draft_step(self, *a, **k) -> dict:
-        raise NotImplementedError("the fake executor drafts Medusa only")
+        raise NotImplementedError("the fake executor drafts Medusa and DFlash only")
 
     def draft_tree(self, role: str, feed: dict, starts) -> dict:
-        raise NotImplementedError("the fake executor drafts Medusa only")
+        raise NotImplementedError("the fake executor drafts Medusa and DFlash only")
+
+    def draft_block(self, feats, ctx_pos, ids, pos, past, new, topk: int, starts) -> dict:
+        n, s = ids.shape
+        a = feats.shape[1]
+        self.calls.append(("draft", n, topk))
+        dkv = self.draft_kv
+        top_ids = np.zeros((n, s - 1, topk), np.int64)
+        top_lp = np.full((n, s - 1, topk), -30.0, np.float32)
+        probs = np.log(np.array([0.6, 0.25, 0.1, 0.04] + [0.01] * max(0, topk - 4))[:topk]).astype(np.float32)
+        for b in range(n):
+            for j in range(a):  # in place, at the row's length (the engine's commit keeps the real ones)
+                dkv.keys[0][b, 0, int(starts[b]) + j, 0] = feats[b, j, 1]
+            count = int(new[b].sum())
+            if count == 0:  # a row along for the ride: nothing to check, nothing drafted
+                continue
+            root, root_pos = int(ids[b, 0]), int(pos[b, 0])
+            ctx = int(starts[b]) + count
+            # the proposer's invariant: cached + new context = the row's tokens before the root, in place
+            assert ctx == root_pos == int(self.kv.lens[b]), (b, ctx, root_pos, int(self.kv.lens[b]))
+            assert past[b, : int(starts[b])].all() and not past[b, int(starts[b]) :].any()
+            assert np.array_equal(ctx_pos[b, :count], int(starts[b]) + np.arange(count))
+            assert np.array_equal(dkv.keys[0][b, 0, :ctx, 0], self.kv.keys[0][b, 0, :ctx, 0]), b
+            assert np.array_equal(pos[b], root_pos + np.arange(s)) and (ids[b, 1:] == DFLASH_MASK).all()
+            prev = self._cached(b, root_pos - 1)
+            chain = [prev, root]
+            for _ in range(s - 1):
+                chain.append(next_token(chain[-2], chain[-1]))
+            for k in range(s - 1):
+                truth = chain[2 + k]
+                ranks = [(truth + 1 + r) % (VOCAB - 1) for r in range(topk)]
+                hit = _hash(prev, root, k) % 100
+                if hit < 100 * self.hit_rate:
+                    ranks[0] = truth
+                elif topk > 1 and self.hit_rate > 0 and hit < 100 * (self.hit_rate + (1 - self.hit_rate) / 2):
+                    ranks[1] = truth
+                top_ids[b, k], top_lp[b, k] = ranks, probs
+        return {C.TOPK_IDS: top_ids, C.TOPK_LOGPROBS: top_lp}
 
 
 class _FakeRun:
@@ -187,7 +239,7 @@ class _FakeRun:
             prev, tok = ex._cached(b, col - 1), int(self.tokens[b])
             logits[b, 0], hidden[b, 0] = TABLE[prev, tok], (prev, tok)
             ex._write(b, col, tok)
-        self.outputs = {C.LOGITS: logits, C.HIDDEN: hidden}
+        self.outputs = {C.LOGITS: logits, C.HIDDEN: hidden, C.AUX_HIDDEN: hidden}
         return self.outputs
 
     def greedy(self) -> np.ndarray:
@@ -209,9 +261,10 @@ def requests(kind: str | None = "medusa", heads: int = 3, tree: list | None = No
              max_positions: int = 4096) -> RequestMaker:
     """A request maker for the fake model (no tokenizer, no files)."""
     paths = tree or [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]][: 2 + 2 * heads]
-    manifest = SimpleNamespace(drafter={"kind": kind, "num_heads": heads} if kind else None,
-                               generation={"eos_token_ids": [EOS]}, tree={"medusa_paths": paths}, tokenizer=None,
-                               source={"vocab_size": VOCAB}, graphs={})
+    drafter = {"kind": kind, "num_heads": heads, "block_size": DFLASH_BLOCK, "mask_token_id": DFLASH_MASK}
+    manifest = SimpleNamespace(drafter=drafter if kind else None, generation={"eos_token_ids": [EOS]},
+                               tree={"medusa_paths": paths, "dflash": {"topk": 1, "total_tokens": DFLASH_BLOCK}},
+                               tokenizer=None, source={"vocab_size": VOCAB}, graphs={})
     return RequestMaker(Path("/nonexistent-fake-export"), manifest, max_positions, adaptive)
 
 

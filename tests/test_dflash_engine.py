@@ -166,6 +166,74 @@ def test_tree_settings_are_checked(decoder):
     assert decoder.requests.dflash_tree(None) == {"topk": 1, "total_tokens": 4}  # the manifest's: the chain
 
 
+# ------------------------------------------------------------------------------ on the fake executor
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("run_s", [0.0, 60.0])
+def test_fake_dflash_rows_stay_exact_and_consistent_under_random_traffic(seed, run_s):
+    """tests/fake_executor.py's DFlash drafter checks, at every draft call, that each row's cached +
+    pending context rows are exactly its tokens before the root at their positions (so row moves,
+    cancels, chunked prefill, plain runs and switching keep the drafter rows right); every greedy
+    request of every setting (chain, tree, off, adaptive) has the model's greedy tokens."""
+    from fake_executor import EOS, VOCAB, fake_engine, reference
+
+    rng = np.random.default_rng(seed)
+    engine, ex, _ = fake_engine(EngineConfig(max_batch=3, prefill_chunk=4, step_tokens=8, plain_run_s=run_s),
+                                kind="dflash")
+    want, got, cancelled = {}, {}, set()
+    settings = [{"speculation": "on", "tree": CHAIN}, {"speculation": "off"}, {"speculation": "adaptive", "tree": TREE},
+                {"speculation": "on", "tree": {"topk": 2, "total_tokens": 6}}]
+    pending = [(rng.integers(3, VOCAB - 1, size=int(rng.integers(1, 12))).tolist(), int(rng.integers(1, 30)),
+                settings[i % len(settings)]) for i in range(14)]
+    for _ in range(3000):
+        if pending and rng.random() < 0.4:
+            prompt, n, kw = pending.pop()
+            rid = engine.add_request(prompt, max_new_tokens=n, **kw)
+            want[rid] = reference(prompt, n)
+        if want and rng.random() < 0.03:
+            rid = int(rng.choice(list(want)))
+            if engine.remove_request(rid):
+                cancelled.add(rid)
+        if not pending and not engine.has_pending_requests():
+            break
+        for ev in engine.step():
+            toks, _ = got.get(ev.request_id, ([], None))
+            got[ev.request_id] = (toks + ev.token_ids, ev.finish_reason)
+    assert not engine.has_pending_requests()
+    for rid, ref in want.items():
+        toks, reason = got[rid]
+        if rid in cancelled:
+            assert reason == "cancelled" and toks == ref[: len(toks)]
+        else:
+            assert toks == ref and reason == ("eos" if ref[-1] == EOS else "length"), rid
+    assert any(k == "draft" for k, _, _ in ex.calls) and engine.totals.accepted_drafts > 0
+    assert ex.draft_kv.n == 0  # every drafter row freed with its request
+
+
+def test_fake_dflash_request_whose_sampler_fails_ends_alone():
+    from fake_executor import fake_engine, reference
+
+    engine, _, maker = fake_engine(EngineConfig(max_batch=4), kind="dflash")
+    ps = [[5, 9, 3], [7, 1, 4, 4, 2], [11, 12]]
+    good = [engine.add_request(p, max_new_tokens=16, speculation=s, **({} if s == "off" else {"tree": TREE}))
+            for p, s in zip(ps, ["on", "off", "on"])]
+    bad = maker.new_request([7, 7, 7], maker.resolve(max_new_tokens=16, speculation="on", tree=TREE), engine.max_len)
+
+    def boom(*a):
+        raise FloatingPointError("injected")
+
+    bad.sampler.accept = boom
+    bid = engine.add(bad)
+    events = []
+    while engine.has_pending_requests():
+        events += engine.step()
+    err = [e for e in events if e.request_id == bid and e.finish_reason == "error"]
+    assert len(err) == 1 and isinstance(err[0].error, FloatingPointError)
+    for rid, p in zip(good, ps):
+        assert [t for e in events if e.request_id == rid for t in e.token_ids] == reference(p, 16)
+
+
 # ------------------------------------------------------------------------------ the drafts themselves
 
 
