@@ -234,6 +234,30 @@ def test_fake_dflash_request_whose_sampler_fails_ends_alone():
         assert [t for e in events if e.request_id == rid for t in e.token_ids] == reference(p, 16)
 
 
+@pytest.mark.parametrize("tree", [CHAIN, TREE], ids=["chain", "tree"])
+def test_fake_dflash_policy_goes_plain_where_drafting_cannot_pay_and_drafts_where_it_does(tree):
+    """The adaptive policy on DFlash rows (test_engine_fake's costs): plain steps with probes where a
+    tree costs far more than its drafts buy, drafted steps where drafts pay; the tokens stay exact
+    (and the fake checks the drafter's context at every draft across the switches)."""
+    from fake_executor import drive, fake_engine, reference
+    from test_engine_fake import FixedCosts
+
+    from graphs.adaptive import AdaptiveConfig, Planner
+
+    ps = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 6, 2, 9]]
+    for verify, rate, plain in [(lambda t: 1.0 + 10.0 * (t - 1), 0.3, True), (lambda t: 1.0 + 0.01 * t, 1.0, False)]:
+        planner = Planner(AdaptiveConfig(max_probe_every=8), costs=FixedCosts(verify=verify))
+        engine, _, _ = fake_engine(EngineConfig(max_batch=2), planner=planner, kind="dflash", hit_rate=rate)
+        ids = [engine.add_request(p, max_new_tokens=60, speculation="adaptive", tree=tree) for p in ps]
+        got = drive(engine)
+        assert [got[i][0] for i in ids] == [reference(p, 60) for p in ps]
+        widths = list(planner.history)
+        if plain:
+            assert widths.count(1) > 0.7 * len(widths) and max(widths) > 1  # plain, with probes
+        else:
+            assert widths.count(1) < 0.2 * len(widths) and engine.totals.mean_accepted_length > 2
+
+
 # ------------------------------------------------------------------------------ the drafts themselves
 
 
