@@ -37,16 +37,20 @@ def _const(name: str, vals: list):
 
 def build_select(spec: C.GraphSpec, path: Path) -> Path:
     """:func:`graphs.contract.select_graph_spec`: ArgMax over the vocabulary (the first of equal
-    logits), and whether a node's logits hold a nan or +inf (any: numpy's argmax would pick it)."""
-    nodes = [
-        _const("axes", [-1]),
-        helper.make_node("ArgMax", [C.LOGITS], [C.ARGMAX], axis=-1, keepdims=0, select_last_index=0),
-        helper.make_node("IsNaN", [C.LOGITS], ["nan"]),
-        helper.make_node("IsInf", [C.LOGITS], ["inf"], detect_negative=0),
-        helper.make_node("Or", ["nan", "inf"], ["bad"]),
-        helper.make_node("Cast", ["bad"], ["bad_f"], to=TensorProto.FLOAT),
-        helper.make_node("ReduceMax", ["bad_f", "axes"], ["bad_any"], keepdims=0),
-        helper.make_node("Cast", ["bad_any"], [C.NONFINITE], to=TensorProto.BOOL),
+    logits), and whether a node's logits hold a nan or +inf (numpy's argmax would pick it): their sum
+    in float32 is nan or +inf exactly then (-inf alone, a masked token, sums to -inf; a sum of finite
+    logits cannot reach the float32 range). One pass over the logits besides the ArgMax."""
+    x = C.LOGITS
+    nodes = [_const("axes", [-1]),
+             helper.make_node("ArgMax", [x], [C.ARGMAX], axis=-1, keepdims=0, select_last_index=0)]
+    if spec.input(C.LOGITS).dtype != "float32":
+        nodes.append(helper.make_node("Cast", [x], ["x32"], to=TensorProto.FLOAT))
+        x = "x32"
+    nodes += [
+        helper.make_node("ReduceSum", [x, "axes"], ["total"], keepdims=0),
+        helper.make_node("IsNaN", ["total"], ["nan"]),
+        helper.make_node("IsInf", ["total"], ["inf"], detect_negative=0),
+        helper.make_node("Or", ["nan", "inf"], [C.NONFINITE]),
     ]
     return _save(nodes, "device_select", spec, path, DEVICE_OPSET)
 

@@ -495,9 +495,12 @@ class _BaseCall:
                           (C.ATTENTION_MASK, self.mask)):
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         self.values = {}
+        self._hold = []
         for name, dtype, dims in dm.outputs:
             shape = (rows, s, *dims)
-            v = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, ex.dev, ex.dev_id)
+            host = np.zeros(shape, dtype=dtype)  # (on the CPU device the OrtValue's memory; elsewhere copied once)
+            v = ort.OrtValue.ortvalue_from_numpy(host, ex.dev, ex.dev_id)
+            self._hold.append(host)
             io.bind_ortvalue_output(name, v)
             self.values[name] = (v, shape)
         ex._bind_kv(io, first, rows, dm.names, ["present." + x[len("past_key_values."):] for x in dm.names])
