@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto",
                     help="ONNX Runtime provider to tune for (auto: CUDA when onnxruntime-gpu sees a GPU, as generate)")
     ap.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: all cores)")
-    ap.add_argument("--budget-s", type=float, default=300.0, help="time for the EAGLE (topk, depth) sweep")
+    ap.add_argument("--budget-s", type=float, default=300.0,
+                    help="time for the EAGLE (topk, depth) or DFlash topk sweep")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens per calibration prompt")
     ap.add_argument("--model-dir", help="EAGLE: the model_dir of the export, to bake a new winning tree "
                          "(default: trees not baked yet compete as step-wise drafts)")

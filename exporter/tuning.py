@@ -270,13 +270,17 @@ def _tune_eagle(dec, ids, verify, new, report, budget_s, can_bake: bool, out_dir
     return cfg
 
 
-def _tune_dflash(dec, ids, verify, new, report, log) -> dict:
+def _tune_dflash(dec, ids, verify, new, report, budget_s, log) -> dict:
     """The chain and the block's top-k trees, each measured once at its largest (every node verified);
     a cut to n nodes is what the engine verifies at size n, so one run scores every size."""
     log("[2/4] DFlash drafter: acceptance of the chain and of top-k trees of the block", flush=True)
     block = int(dec.drafter["block_size"])
     best = None
+    t0 = time.perf_counter()
     for k in DFLASH_TOPK:
+        if best is not None and time.perf_counter() - t0 > budget_s:
+            log(f"      budget spent: stopped before topk {k}", flush=True)
+            break
         full = dflash_full(k, block)
         gains, draft, host = tree_gains(dec, ids, new, {"topk": k, "total_tokens": full}, full)
         for n in range(2, full + 1):
@@ -316,7 +320,8 @@ def choose_tree(dec, ids: list[list[int]], *, out_dir, threads: int | None, budg
         report["tree"] = report["winner"]
         report["bake"] = None
     elif dec.kind == "dflash":
-        report["winner"] = report["tree"] = _tune_dflash(dec, ids, verify, max_new_tokens, report, log)
+        report["winner"] = report["tree"] = _tune_dflash(dec, ids, verify, max_new_tokens, report,
+                                                         budget_s - (time.perf_counter() - t_start), log)
         report["bake"] = None
     else:
         cfg = _tune_eagle(dec, ids, verify, max_new_tokens, report, budget_s - (time.perf_counter() - t_start),
