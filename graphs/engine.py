@@ -46,7 +46,7 @@ caller that keeps its own queue for the engine's thread calls :meth:`interrupt` 
 Sessions are shared by every engine of a decoder (ONNX Runtime sessions may be run from several
 threads); each engine has its own executor and K/V.
 
-Memory: the base's K/V (and the EAGLE drafter's) is one row per request slot of at most ``max_len``
+Memory: the base's K/V (and the EAGLE or DFlash drafter's) is one row per request slot of at most ``max_len``
 positions (plus one tree), allocated as rows fill up and never past that budget
 (:meth:`Engine.memory`); a request that cannot fit is refused at :meth:`add_request` with the limit
 named, one that finds no free row waits (``max_waiting`` bounds the queue: CapacityError beyond it).

@@ -2,7 +2,7 @@
 
     engine.step():  schedule (admit, chunk, widths)  ->  executor calls  ->  update (accept, emit)
 
-An executor belongs to one engine: it holds that engine's K/V (the base's and the EAGLE drafter's,
+An executor belongs to one engine: it holds that engine's K/V (the base's and the EAGLE / DFlash drafter's,
 one row per request) and runs the graphs on it. The engine and the proposers talk only to it::
 
     rows      add_row() -> b, remove_row(b) (the last row moves into b), shrink(), memory()
@@ -57,7 +57,7 @@ class PlainRun(Protocol):
 class Executor(Protocol):
     info: ModelInfo
     rows: int  # occupied rows (0 .. rows - 1)
-    draft_kv: object  # the EAGLE drafter's K/V rows (graphs.slots.SlotCache's calls), else None
+    draft_kv: object  # the EAGLE / DFlash drafter's K/V rows (graphs.slots.SlotCache's calls), else None
 
     def add_row(self) -> int: ...
     def remove_row(self, b: int) -> None: ...

@@ -2,7 +2,7 @@
 
 :class:`HostModel` is what a decoder loads once (the sessions of an export, the calls that run them
 against any K/V); :class:`HostExecutor` is one engine's :class:`graphs.executor.Executor` over it: its
-own K/V rows (graphs.slots), the base's and the EAGLE drafter's. Several engines share one model
+own K/V rows (graphs.slots), the base's and the EAGLE or DFlash drafter's. Several engines share one model
 (ONNX Runtime sessions may be run from several threads); each keeps its own executor.
 """
 
