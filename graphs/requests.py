@@ -153,7 +153,8 @@ class RequestMaker:
         if mode == "speculative" and not self.kind:
             raise InputError(f"{self.out_dir} has no draft graph: use mode='autoregressive' or export a drafter")
         if p.acceptance == "typical" and self.kind != "medusa":
-            raise InputError("typical acceptance is Medusa's; EAGLE drafts use lossless acceptance" if self.kind else
+            name = {"eagle": "EAGLE", "dflash": "DFlash"}.get(self.kind, self.kind)
+            raise InputError(f"typical acceptance is Medusa's; {name} drafts use lossless acceptance" if self.kind else
                              f"typical acceptance needs a Medusa drafter; {self.out_dir} has none (base only, "
                              f"autoregressive): drop acceptance='typical'")
         if p.stop_strings and self.tokenizer is None:
