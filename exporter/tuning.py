@@ -35,7 +35,6 @@ from exporter.errors import UserError
 from graphs import contract as C
 from graphs.adaptive import counterfactual_gain
 from graphs.eagle_draft import baked_trees
-from graphs.kv import KVCache
 from graphs.limits import max_eagle_nodes
 from graphs.sessions import base_precision
 from graphs.slots import SlotCache
@@ -133,7 +132,8 @@ def medusa_acceptance(dec, prompts: list[list[int]], new: int, k: int = 8) -> np
         toks = dec.generate(p, max_new_tokens=new, mode="autoregressive").token_ids
         seq = list(p) + list(toks)
         s = len(seq)
-        kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, layout=dec.kv_layout)
+        kv = SlotCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, s, layout=dec.kv_layout)
+        kv.add_row()
         out = dec.base_forward(kv, np.array([seq]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
         (ids,) = dec.draft.run([C.TOPK_IDS], {C.HIDDEN: out[C.HIDDEN], C.TOPK_IN: np.array([k])})  # (1, S, h, K)
         for t in range(len(p) - 1, s):

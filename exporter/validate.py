@@ -446,6 +446,23 @@ def device_rows(role: str, session, spec: C.GraphSpec, tol: Tolerance) -> list[R
         got = session.run(spec.output_names, {C.ROWS_IN: x, C.ROW_INDEX: idx})[0]
         return [Row(graph=role, case="rows", output=C.ROWS_OUT, shape=list(got.shape),
                     **compare_arrays(x[idx].astype(np.float32), got.astype(np.float32), tol, ""))]
+    if role == C.SAMPLE_ROLE:  # graphs.sampling.process_logits, then p_n(token_m) and inverse-CDF draws
+        from graphs.sampling import process_logits
+
+        logits = rng.standard_normal((2, 3, 37)).astype(dt)
+        tokens = rng.integers(0, 37, (2, 3))
+        temp, top_k, top_p = [0.7, 1.3], [5, 37], [0.9, 1.0]
+        u = rng.random((2, 3, C.SAMPLE_DRAWS), dtype=np.float32)
+        got = session.run(spec.output_names, {C.LOGITS: logits, C.NODE_TOKENS: tokens, C.TEMPERATURE: np.float32(temp),
+                                              C.TOP_K: np.array(top_k), C.TOP_P: np.float32(top_p), C.UNIFORMS: u})
+        p = np.stack([process_logits(logits[b].astype(np.float32), temp[b], top_p[b], top_k[b] % 37)
+                      for b in range(2)])
+        probs = np.take_along_axis(p, np.broadcast_to(tokens[:, None, :], (2, 3, 3)), axis=-1)
+        cdf = np.cumsum(p, axis=-1)
+        draws = (cdf[:, :, None, :] <= (u * cdf[..., -1:])[..., None]).sum(-1)
+        return [Row(graph=role, case="sample_b2", output=name, shape=list(g.shape),
+                    **compare_arrays(w.astype(np.float32), g.astype(np.float32), tol, ""))
+                for name, w, g in zip(spec.output_names, [probs, draws], got)]
     n = sum(1 for t in spec.inputs if t.name.startswith("cache."))
     dims = [2 if d == C.BATCH else 12 if isinstance(d, str) else d for d in x0.dims]
     caches = [rng.standard_normal(dims).astype(dt) for _ in range(n)]

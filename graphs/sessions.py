@@ -519,9 +519,9 @@ class InPlaceRun:
         return lambda feed: session.run(spec.output_names, feed)
 
     def run_on(self, kv, feed: dict, rows: slice | None = None) -> dict:
-        """:meth:`run` against a cache's buffers (a :class:`graphs.slots.SlotCache`'s ``rows``, or a
-        :class:`graphs.kv.KVCache`). The binding is kept in ``kv.bindings``, one per graph, while the
-        buffers stay the same memory: the cache's allocation generation, the rows, the occupied rows."""
+        """:meth:`run` against a cache's buffers (a :class:`graphs.slots.SlotCache`'s ``rows``). The binding
+        is kept in ``kv.bindings``, one per graph, while the buffers stay the same memory: the cache's
+        allocation generation, the rows, the occupied rows."""
         cache = kv.bindings.setdefault(self, {})
         key = (kv.generation, (None, None) if rows is None else (rows.start, rows.stop), getattr(kv, "n", None))
         buffers = None if key in cache else (kv.feed() if rows is None else kv.feed(rows))

@@ -82,7 +82,7 @@ def assert_greedy_within_bound(dec, prompt: list[int], ar: list[int], spec: list
     the kernels' rounding may resolve either way. Anything else fails."""
     import numpy as np
 
-    from graphs.kv import KVCache
+    from graphs.slots import SlotCache
 
     n = min(len(ar), len(spec))
     first = next((i for i in range(n) if ar[i] != spec[i]), None)
@@ -91,8 +91,9 @@ def assert_greedy_within_bound(dec, prompt: list[int], ar: list[int], spec: list
         return
     seq = list(prompt) + list(ar[:first])
     src = dec.manifest.source
-    kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, layout=dec.kv_layout)
     s = len(seq)
+    kv = SlotCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, s, layout=dec.kv_layout)
+    kv.add_row()
     logits = dec.base_forward(kv, np.array([seq]), np.arange(s)[None], np.tril(np.ones((1, s, s), dtype=bool)))
     last = np.sort(logits["logits"][0, -1].astype(np.float64))
     margin = float(last[-1] - last[-2])

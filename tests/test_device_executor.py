@@ -99,6 +99,32 @@ def test_float16_device_graphs_of_a_cuda_build_on_the_cpu_ep(exported, tmp_path)
         assert_greedy_within_bound(dec, p, a.token_ids, b.token_ids, bound)
 
 
+def test_an_older_export_listing_a_kv_update_graph_still_loads_and_optimize_drops_it(exported, tmp_path):
+    """Exports made before the device graphs listed a ``kv_update`` graph that nothing reads any more:
+    the host path loads them (the file is unused), and optimizing one drops it for the device graphs."""
+    import json
+
+    from graphs.manifest import MANIFEST, sha256_file
+
+    out = tmp_path / "old"
+    shutil.copytree(exported("medusa"), out)
+    dims = ["batch", 2, "c", 16]
+    spec = {"file": "kv_update.onnx", "inputs": [{"name": "cache.0", "dtype": "float32", "dims": dims}],
+            "outputs": [{"name": "cache_out.0", "dtype": "float32", "dims": dims}]}
+    (out / "kv_update.onnx").write_bytes(b"an old K/V update graph")
+    data = json.loads((out / MANIFEST).read_text())
+    data["graphs"]["kv_update"] = spec
+    data["files"]["kv_update.onnx"] = sha256_file(out / "kv_update.onnx")
+    (out / MANIFEST).write_text(json.dumps(data))
+    want = graphs.load(exported("medusa"), provider="cpu", threads=1).generate([5, 6, 7], max_new_tokens=6).token_ids
+    assert graphs.load(out, provider="cpu", threads=1).generate([5, 6, 7], max_new_tokens=6).token_ids == want
+    optimize_export(out, **QUIET)
+    m = Manifest.read(out)
+    assert "kv_update" not in m.graphs and not (out / "kv_update.onnx").exists()
+    dec = graphs.load(out, provider="cpu", threads=1, device_resident=True)
+    assert dec.generate([5, 6, 7], max_new_tokens=6).token_ids == want
+
+
 def test_an_export_without_the_device_graphs_is_refused_with_the_fix(exported):
     with pytest.raises(InputError, match=r"python -m exporter.optimize"):
         graphs.load(exported("medusa"), provider="cpu", device_resident=True)

@@ -193,10 +193,11 @@ def test_a_divergence_without_a_contract_is_not_explained(tmp_path):
 def test_the_margin_is_the_prefill_logits_top_two(int4_export):
     dec = graphs.load(int4_export, provider="cpu", threads=1)
     got = R.base_margin(dec, [5, 9, 3])
-    from graphs.kv import KVCache
+    from graphs.slots import SlotCache
 
     src = dec.manifest.source
-    kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, layout=dec.kv_layout)
+    kv = SlotCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], dec.dtype, 3, layout=dec.kv_layout)
+    kv.add_row()
     logits = dec.base_forward(kv, np.array([[5, 9, 3]]), np.arange(3)[None], np.tril(np.ones((1, 3, 3), bool)))
     last = np.sort(logits["logits"][0, -1].astype(np.float64))
     assert got["margin"] == pytest.approx(last[-1] - last[-2]) and got["margin"] >= 0

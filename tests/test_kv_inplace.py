@@ -21,7 +21,6 @@ import pytest
 from exporter.loading import UserError
 from exporter.optimize import optimize_export
 from graphs import contract as C
-from graphs.kv import KVCache
 from graphs.manifest import Manifest, sha256_file
 from graphs.sessions import InPlaceRun, make_session
 from graphs.slots import SlotCache
@@ -178,26 +177,6 @@ def test_slot_cache_commit_in_place_equals_copy_in(one_row, layout):
             n = int(a.lens[r])  # columns past a row's length are free (garbage) in both layouts
             assert np.array_equal(a.keys[i][r, :, :n], b.keys[i][r, :, :n])
             assert np.array_equal(a.values[i][r, :, :n], b.values[i][r, :, :n])
-
-
-def test_kv_cache_append_in_place_equals_copy_in():
-    rng = np.random.default_rng(4)
-    layers, bsz, kvh, hd, s = 2, 2, 2, 4, 4
-    a, b = (KVCache(layers, bsz, kvh, hd, np.float32) for _ in range(2))
-    for c in (a, b):
-        c.append([np.ones((bsz, kvh, 3, hd), np.float32)] * (2 * layers), np.arange(3)[None].repeat(bsz, 0),
-                 np.array([3, 3]))
-    presents = [rng.standard_normal((bsz, kvh, s, hd)).astype(np.float32) for _ in range(2 * layers)]
-    a.reserve_columns(a.w + s)
-    w = int(a.write_columns()[0])
-    for j, buf in enumerate(x for i in range(layers) for x in (a.keys[i], a.values[i])):
-        buf[:, :, w : w + s] = presents[j]
-    idx, counts = np.array([[0, 2], [0, 3]]), np.array([2, 1])
-    assert a.append(None, idx, counts) == b.append(presents, idx, counts)
-    assert np.array_equal(a.valid, b.valid)
-    for i in range(layers):
-        assert np.array_equal(a.keys[i][:, :, : a.w], b.keys[i][:, :, : b.w])
-        assert np.array_equal(a.values[i][:, :, : a.w], b.values[i][:, :, : b.w])
 
 
 def test_a_graph_without_the_traced_concatenation_is_refused(exported, tmp_path):

@@ -210,13 +210,15 @@ def test_sampling_on_int4_keeps_the_quantized_base_distribution(tmp_path_factory
 
 def _graph_joint(dec, vocab: int, prompt: list[int]) -> np.ndarray:
     """(V, V, V) float64 p(x1, x2, x3 | prompt) from the decoder's own base graph (no cache)."""
-    from graphs.kv import KVCache
+    from graphs.slots import SlotCache
 
     src = dec.manifest.source
 
     def last_probs(seqs: np.ndarray) -> np.ndarray:
         b, s = seqs.shape
-        kv = KVCache(src["num_layers"], b, src["num_kv_heads"], src["head_dim"], dec.dtype, layout=dec.kv_layout)
+        kv = SlotCache(src["num_layers"], b, src["num_kv_heads"], src["head_dim"], dec.dtype, s, layout=dec.kv_layout)
+        for _ in range(b):
+            kv.add_row()
         out = dec.base_forward(kv, seqs, np.broadcast_to(np.arange(s), (b, s)).copy(),
                                np.broadcast_to(np.tril(np.ones((s, s), bool)), (b, s, s)).copy())
         logits = out[C.LOGITS][:, -1].astype(np.float64)

@@ -72,7 +72,8 @@ def external(tiny_model_dir, tmp_path_factory):
 # ----------------------------------------------------------------------------- tampering, every kind
 
 
-FILE_KINDS = [("medusa", "base.onnx"), ("medusa", "draft.onnx"), ("eagle", "draft_tree_2_3_6.onnx"), ("medusa", "tokenizer.json"), ("medusa", "tokenizer_config.json"),
+FILE_KINDS = [("medusa", "base.onnx"), ("medusa", "draft.onnx"), ("eagle", "draft_tree_2_3_6.onnx"),
+              ("medusa", "tokenizer.json"), ("medusa", "tokenizer_config.json"),
               ("external", "base.onnx.data"), ("external", "base.onnx")]
 
 

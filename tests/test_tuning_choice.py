@@ -183,7 +183,10 @@ def test_medusa_acceptance_counts_each_heads_first_matching_rank(monkeypatch):
         def __init__(self, *a, layout="bhsd"):
             made.append(a)
 
-    monkeypatch.setattr(tuning, "KVCache", KV)
+        def add_row(self):
+            return 0
+
+    monkeypatch.setattr(tuning, "SlotCache", KV)
 
     class Dec(FakeDec):
         dtype = np.float32
@@ -206,7 +209,7 @@ def test_medusa_acceptance_counts_each_heads_first_matching_rank(monkeypatch):
     dec.draft = SimpleNamespace(run=run)
     acc = tuning.medusa_acceptance(dec, [[1, 2]], 4, k=3)
     assert acc.tolist() == [[1 / 3, 0.0, 1 / 3], [1 / 2, 1 / 2, 0.0]]
-    assert made == [(1, 1, 1, 2, np.float32)] and feeds == [[3]]
+    assert made == [(1, 1, 1, 2, np.float32, 6)] and feeds == [[3]]
     assert tuning.medusa_acceptance(dec, [[1, 2]], 4).shape == (2, 8) and feeds[-1] == [8]  # k = 8 by default
 
 

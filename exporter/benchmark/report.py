@@ -177,11 +177,13 @@ def base_margin(decoder, ids: list[int]) -> dict:
     """The top-2 of the base's logits for the token after ``ids``: one causal prefill through the
     decoder's base graph (the autoregressive step's logits are within the graphs' recorded bound of
     these). Returns ``{"margin": top1 - top2, "top2": [top1 id, top2 id]}``."""
-    from graphs.kv import KVCache
+    from graphs.slots import SlotCache
 
     src = decoder.manifest.source
-    kv = KVCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], decoder.dtype, layout=decoder.kv_layout)
     n = len(ids)
+    kv = SlotCache(src["num_layers"], 1, src["num_kv_heads"], src["head_dim"], decoder.dtype, n,
+                   layout=decoder.kv_layout)
+    kv.add_row()
     out = decoder.base_forward(kv, np.array([ids], dtype=np.int64), np.arange(n)[None],
                                np.tril(np.ones((1, n, n), dtype=bool)))
     last = out["logits"][0, -1].astype(np.float64)
