@@ -125,6 +125,29 @@ def test_an_older_export_listing_a_kv_update_graph_still_loads_and_optimize_drop
     assert dec.generate([5, 6, 7], max_new_tokens=6).token_ids == want
 
 
+def test_greedy_rows_beside_sampled_rows_stay_exact(device_export):
+    """One engine, greedy and sampled requests in the same verify calls: the greedy rows walk the
+    argmax, the sampled ones device.sample's arrays; a greedy row's tokens are the autoregressive ones."""
+    from graphs.params import GenerationParams
+
+    dec = graphs.load(device_export, provider="cpu", threads=1, device_resident=True)
+    dec.eos = set()
+    want = [r.token_ids for r in dec.generate(PROMPTS, max_new_tokens=20, mode="autoregressive")]
+    eng = dec.engine()
+    temps = [0.0, 0.9, 0.0]
+    ids = [eng.add_request(p, GenerationParams(max_new_tokens=20, speculation="on", temperature=t, seed=5))
+           for p, t in zip(PROMPTS, temps)]
+    toks = {i: [] for i in ids}
+    while eng.has_pending_requests():
+        for e in eng.step():
+            assert e.finish_reason != "error", e.error
+            toks[e.request_id] += list(e.token_ids)
+    for i, t, w in zip(ids, temps, want):
+        assert len(toks[i]) == 20
+        if t == 0:
+            assert toks[i] == w
+
+
 def test_an_export_without_the_device_graphs_is_refused_with_the_fix(exported):
     with pytest.raises(InputError, match=r"python -m exporter.optimize"):
         graphs.load(exported("medusa"), provider="cpu", device_resident=True)
