@@ -301,7 +301,9 @@ def optimize_graphs(out_dir: Path, tmp: Path, manifest: Manifest, options: Optim
     if C.kv_in_place(specs["base"]):  # the device path's small graphs (graphs.device), for this base
         from exporter.kvgraph import DEVICE_OPSET, build_device_graphs
 
-        for role, spec in build_device_graphs(specs["base"], tmp).items():
+        built = build_device_graphs(specs["base"], tmp)
+        log(f"  [device]  built {', '.join(s.file for s in built.values())} (graphs.device)", flush=True)
+        for role, spec in built.items():
             specs[role] = spec
             records[role] = {"passes": ["device"], "target": options.target, "provider": TARGETS[options.target],
                              "dtype": specs["base"].output(C.LOGITS).dtype, "quantization": None,

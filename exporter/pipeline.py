@@ -40,6 +40,7 @@ from exporter.errors import UserError
 from exporter.outdir import OutDir, write_manifest
 from exporter.plan import DTYPES, OPSET, build_plan, versions
 from exporter.progress import heartbeat
+from graphs import contract as C
 from graphs.manifest import MANIFEST, ArtifactError, Manifest
 
 # ----------------------------------------------------------------------------- progress
@@ -248,7 +249,7 @@ def roles_done(records: dict) -> str:
     (a role with no pass is "unchanged": the final line ended in "draft " and the already-optimized one
     in "draft: )")."""
     parts = [f"{role}: {'+'.join(map(str, rec.get('passes') or [])) or 'unchanged'}"
-             for role, rec in records.items() if isinstance(rec, dict)]
+             for role, rec in records.items() if isinstance(rec, dict) and not C.is_device_role(role)]
     return "; ".join(parts) or "nothing changed"
 
 
