@@ -38,6 +38,7 @@ from graphs.sampling import check_finite, draw_excluding, greedy_walk, process_l
 from graphs.schema import check_session, load_graph
 
 _BOUND = 16  # bound calls kept per executor (shapes: rows x width); made again in ~0.1 ms when needed
+_KEEP_WIDTH = 64  # calls of at most this many new tokens a row are kept (trees, plain steps, short chunks)
 
 
 def _fix_message(out_dir, why: str) -> str:
@@ -237,13 +238,17 @@ class DeviceExecutor:
 
     # ------------------------------------------------------------------ base calls
     def _call(self, first: int, rows: int, s: int, columns: int, one_sequence: bool) -> _BaseCall:
+        """The bound call of ``s`` new tokens for rows first .. first + rows, kept for the next step
+        where ``s`` is a step's width (a prompt chunk's, whose outputs hold rows x S x vocabulary
+        logits, is made for its call alone)."""
         self.reserve(columns)
         sess = self.dm.base_session(columns, s, one_sequence)
         key = (id(sess), first, rows, s, self.generation)
         call = self._calls.pop(key, None)
         if call is None:
             call = _BaseCall(self, sess, first, rows, s)
-        self._keep(key, call)  # the most recently used last
+        if s <= _KEEP_WIDTH:
+            self._keep(key, call)  # the most recently used last
         return call
 
     def prefill(self, first: int, ids, pos, mask) -> dict:
@@ -407,7 +412,8 @@ class DeviceExecutor:
                           {C.ROWS_OUT: ((len(index), f), self.dm.dtype)})
             call.io.bind_input(C.ROWS_IN, self.dev, self.dev_id, self.dm.dtype, (b * s, f), value.data_ptr())
             call.value = value  # (alive while bound)
-            self._rows_calls[key] = call
+            if s <= _KEEP_WIDTH:  # (a prompt chunk's outputs are not kept alive by a binding)
+                self._rows_calls[key] = call
         call.inputs[C.ROW_INDEX][:] = index
         out = call.run()[C.ROWS_OUT]
         self.host_bytes += out.nbytes
