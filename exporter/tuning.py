@@ -305,7 +305,7 @@ def choose_tree(dec, ids: list[list[int]], *, out_dir, threads: int | None, budg
     """Steps 1-3: measure the export ``dec`` was loaded from and pick the fastest tree; returns the
     report (``best``; ``winner``: Medusa paths or an EAGLE (topk, depth, total_tokens); ``bake``: the
     EAGLE winner when it is to be baked as a new one-call graph, else None)."""
-    why = untunable(dec.manifest.drafter)
+    why = untunable({"kind": dec.kind})
     if why:
         raise UserError(f"{out_dir}: {why}")
     t_start = time.perf_counter()
