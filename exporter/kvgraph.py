@@ -164,12 +164,14 @@ def build_sample(spec: C.GraphSpec, path: Path) -> Path:
 
 
 BUILDERS = {C.SELECT_ROLE: build_select, C.COMPACT_ROLE: build_kv_compact, C.COPY_ROLE: build_kv_copy,
-            C.ROWS_ROLE: build_rows, C.SAMPLE_ROLE: build_sample}
+            C.ROWS_ROLE: build_rows, C.SAMPLE_ROLE: build_sample, C.DRAFT_COPY_ROLE: build_kv_copy}
 
 
-def build_device_graphs(base: C.GraphSpec, out: Path) -> dict[str, C.GraphSpec]:
-    """Write the device path's graphs for ``base`` (K/V in place) into ``out``; returns their specs by role."""
-    specs = C.device_graph_specs(base)
+def build_device_graphs(base: C.GraphSpec, out: Path, draft: C.GraphSpec | None = None) -> dict[str, C.GraphSpec]:
+    """Write the device path's graphs for ``base`` (K/V in place) into ``out``; returns their specs by
+    role. ``draft``: the EAGLE / DFlash drafter's graph; where it writes its K/V in place, a copy graph
+    for its buffers too (device.draft_kv_copy: growth, a row moved)."""
+    specs = C.device_graph_specs(base, draft)
     for role, spec in specs.items():
         BUILDERS[role](spec, out / spec.file)
     return specs

@@ -301,7 +301,7 @@ def optimize_graphs(out_dir: Path, tmp: Path, manifest: Manifest, options: Optim
     if C.kv_in_place(specs["base"]):  # the device path's small graphs (graphs.device), for this base
         from exporter.kvgraph import DEVICE_OPSET, build_device_graphs
 
-        built = build_device_graphs(specs["base"], tmp)
+        built = build_device_graphs(specs["base"], tmp, specs.get("draft"))
         log(f"  [device]  built {', '.join(s.file for s in built.values())} (graphs.device)", flush=True)
         for role, spec in built.items():
             specs[role] = spec

@@ -502,7 +502,7 @@ def check_same_model(model, specs: dict[str, C.GraphSpec], dtype: str, out_dir: 
     want = build_plan(model, dtype=dtype, eagle_trees=[parse_tree_role(r) for r in baked] if eagle else None).specs
     # the traced graphs; the device path's follow from the base (a K/V update of an older export: unread)
     if C.kv_in_place(specs["base"]) and any(C.is_device_role(r) for r in specs):
-        want |= {r: s for r, s in C.device_graph_specs(specs["base"]).items()}
+        want |= {r: s for r, s in C.device_graph_specs(specs["base"], specs.get("draft")).items()}
     if set(want) != {r for r in specs if is_traced(r) or C.is_device_role(r)}:
         kind = getattr(model, "spec_mode", None) or "no drafter"
         raise UserError(

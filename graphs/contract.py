@@ -381,6 +381,9 @@ COPY_ROLE = "device.kv_copy"  # a K/V buffer copied (zero-padded): growth, a row
 ROWS_ROLE = "device.rows"  # a few rows of an output brought back (features, a prefill's last logits)
 SAMPLE_ROLE = "device.sample"  # sampled rows: each node's probabilities of the tree's tokens, draws from it
 DEVICE_ROLES = (SELECT_ROLE, COMPACT_ROLE, COPY_ROLE, ROWS_ROLE, SAMPLE_ROLE)
+# the EAGLE / DFlash drafter's K/V buffers copied (growth, a row moved): built beside a drafter that
+# writes its K/V in place (its commits are in place already: no compaction graph)
+DRAFT_COPY_ROLE = "device.draft_kv_copy"
 SAMPLE_DRAWS = 4  # draws per node from its distribution (the host takes the first one not rejected)
 ARGMAX = "argmax"
 NONFINITE = "nonfinite"
@@ -463,11 +466,15 @@ def sample_graph_spec(dtype: str, file: str = "device_sample.onnx") -> GraphSpec
     return GraphSpec(file=file, inputs=inputs, outputs=outputs)
 
 
-def device_graph_specs(base: GraphSpec) -> dict:
-    """The device path's graphs for ``base`` (K/V in place), by manifest role."""
+def device_graph_specs(base: GraphSpec, draft: GraphSpec | None = None) -> dict:
+    """The device path's graphs for ``base`` (K/V in place), by manifest role; ``draft``: the drafter's
+    graph, whose K/V buffers get their own copy graph where it writes them in place (EAGLE, DFlash)."""
     dt = base.output(LOGITS).dtype
-    return {SELECT_ROLE: select_graph_spec(dt), COMPACT_ROLE: kv_compact_graph_spec(base),
-            COPY_ROLE: kv_copy_graph_spec(base), ROWS_ROLE: rows_graph_spec(dt), SAMPLE_ROLE: sample_graph_spec(dt)}
+    specs = {SELECT_ROLE: select_graph_spec(dt), COMPACT_ROLE: kv_compact_graph_spec(base),
+             COPY_ROLE: kv_copy_graph_spec(base), ROWS_ROLE: rows_graph_spec(dt), SAMPLE_ROLE: sample_graph_spec(dt)}
+    if draft is not None and kv_in_place(draft):
+        specs[DRAFT_COPY_ROLE] = kv_copy_graph_spec(draft, file="device_draft_kv_copy.onnx")
+    return specs
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The device path: K/V and logits stay on the session's device; only a few small arrays come back.
 
 :class:`DeviceModel` holds what a decoder loads once for it (the base's sessions, the chosen attention
-form's, and the four small graphs ``exporter.optimize`` builds beside a base that writes K/V in place,
-listed in the manifest: ``device.select``, ``device.kv_compact``, ``device.kv_copy``, ``device.rows``);
+form's, and the small graphs ``exporter.optimize`` builds beside a base that writes K/V in place,
+listed in the manifest: ``device.select``, ``device.kv_compact``, ``device.kv_copy``, ``device.rows``,
+``device.sample``; ``device.draft_kv_copy`` beside an EAGLE / DFlash drafter);
 :class:`DeviceExecutor` is one engine's :class:`graphs.executor.Executor` on it::
 
     K/V        per layer one K and one V buffer, an OrtValue on the device (slots rows, capacity columns)
@@ -14,15 +15,21 @@ listed in the manifest: ``device.select``, ``device.kv_compact``, ``device.kv_co
     rows       device.kv_copy: growth (old buffers into larger, zero-padded ones), a row moved into a
                freed one (pads 0, bound to the two rows' memory)
     features   device.rows: the rows the host asks for (Medusa's hidden state at the last accepted
-               node, a prefill's last logits) and nothing else
+               node, EAGLE's / DFlash's features of the accepted nodes, a prefill's last logits)
+               and nothing else
+    drafter    EAGLE-1 / EAGLE-3 (step-wise, one-call trees) and DFlash: the drafter's K/V
+               (:class:`DeviceDraftKV`, ``draft_kv``) OrtValues its graphs write in place; its
+               commits move only lengths; device.draft_kv_copy grows it and moves a freed row.
+               Its top-k (and step-wise its hidden output) come back, its logits stay
 
 The same code runs on the CPU EP (OrtValues on the CPU device: ``graphs.load(out, provider="cpu",
 device_resident=True)``) and on CUDA. Every byte an output brings to the host is counted in
 ``host_bytes`` (host-bound outputs, the rows fetched); nothing calls ``OrtValue.numpy`` or
 ``IOBinding.copy_outputs_to_cpu``.
 
-Not yet on the device: sampled rows (temperature > 0) bring their tree's logits rows back and walk
-them on the host (graphs.sampling, as the host path); EAGLE and DFlash drafters (refused at load).
+Not yet on the device: Medusa's typical acceptance brings its tree's logits rows back (graphs.sampling
+on the host, as the host path); the drafter's inputs are host arrays copied in (features fetched by
+device.rows for the accepted nodes only).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from graphs.executor import ModelInfo
 from graphs.kv import inplace_mask
 from graphs.sampling import check_finite, draw_excluding, greedy_walk, process_logits, sample_walk
 from graphs.schema import check_session, load_graph
+from graphs.slots import block_mask
 
 _BOUND = 16  # bound calls kept per executor (shapes: rows x width); made again in ~0.1 ms when needed
 _KEEP_WIDTH = 64  # calls of at most this many new tokens a row are kept (trees, plain steps, short chunks)
@@ -61,9 +69,15 @@ class DeviceModel:
             raise InputError(_fix_message(self.out_dir, "its base concatenates K/V"))
         if missing:
             raise InputError(_fix_message(self.out_dir, f"it lists no {', '.join(missing)}"))
-        if model.kind not in (None, "medusa"):
-            raise InputError(f"{self.out_dir}: the device path runs the base and Medusa drafters for now; an "
-                             f"{model.kind} export decodes on the host path (device_resident=False)")
+        if model.kind not in (None, "medusa", "eagle", "dflash"):
+            raise InputError(f"{self.out_dir}: the device path runs the base, Medusa, EAGLE and DFlash drafters; "
+                             f"a {model.kind} export decodes on the host path (device_resident=False)")
+        if model.kind in ("eagle", "dflash"):  # the drafter's graphs write its K/V in place; its buffers' copy graph
+            drafter = [("draft", model.draft_spec)] + [(r, m.graphs[r]) for r in model.tree_sessions]
+            if not all(C.kv_in_place(spec) for _, spec in drafter):
+                raise InputError(_fix_message(self.out_dir, "its drafter concatenates K/V"))
+            if C.DRAFT_COPY_ROLE not in m.graphs:
+                raise InputError(_fix_message(self.out_dir, f"it lists no {C.DRAFT_COPY_ROLE}"))
         if model.min_rows != 1:
             raise InputError(f"{self.out_dir}: the optimize rows check asks for calls of at least {model.min_rows} "
                              f"rows, which the device path does not pad yet; use device_resident=False")
@@ -73,6 +87,11 @@ class DeviceModel:
             sess = load_graph(make_session, self.out_dir / spec.file, *args)
             check_session(spec, sess, role)
             self.sessions[role] = sess
+        if model.kind in ("eagle", "dflash"):
+            spec = m.graphs[C.DRAFT_COPY_ROLE]
+            sess = load_graph(make_session, self.out_dir / spec.file, *args)
+            check_session(spec, sess, C.DRAFT_COPY_ROLE)
+            self.sessions[C.DRAFT_COPY_ROLE] = sess
         self.dtype = model.dtype
         self.kv_dims = C.kv_layout(base)  # "bsh" | "bhsd"
         src = m.source
@@ -118,6 +137,11 @@ class DeviceExecutor:
         self._rows_calls: dict = {}  # (output, rows, features, k) -> _Bound of device.rows
         self._heads: dict = {}  # Medusa: (drafting rows, top-k) -> the heads' _Bound
         self.draft_kv = None
+        m = dm.model
+        if m.kind in ("eagle", "dflash"):  # the drafter's own K/V on the device, one row per request
+            d = m.drafter
+            self.draft_kv = DeviceDraftKV(self, d["num_layers"], d["num_kv_heads"], d["head_dim"],
+                                          C.kv_layout(m.draft_spec))
         self.host_bytes = 0  # every byte brought to the host by an output (counted where it is bound)
         self.itemsize = np.dtype(dm.dtype).itemsize
 
@@ -145,7 +169,11 @@ class DeviceExecutor:
         return self.bytes_per_column * self.capacity
 
     def memory(self) -> dict:
-        return {"kv_budget_bytes": self.bytes_per_column * self.limit, "kv_allocated_bytes": self.allocated_bytes}
+        got = {"kv_budget_bytes": self.bytes_per_column * self.limit, "kv_allocated_bytes": self.allocated_bytes}
+        if self.draft_kv is not None:
+            got |= {"drafter_kv_budget_bytes": self.draft_kv.budget_bytes,
+                    "drafter_kv_allocated_bytes": self.draft_kv.allocated_bytes}
+        return got
 
     def _alloc(self, cap: int) -> list:
         shape = self._shape(self.slots, cap)
@@ -208,10 +236,14 @@ class DeviceExecutor:
             self.buffers, self._hold, self.capacity = [], [], 0
             self.generation += 1
             self._calls.clear()
+        if self.draft_kv is not None:
+            self.draft_kv.shrink()
 
     def add_row(self) -> int:
         if self.n >= self.slots:
             raise ValueError("DeviceExecutor: no free row")
+        if self.draft_kv is not None:
+            self.draft_kv.add_row()
         b = self.n
         self.lens[b] = 0
         self.n += 1
@@ -228,6 +260,8 @@ class DeviceExecutor:
             self.lens[b] = self.lens[last]
         self.lens[last] = 0
         self._calls = {k: v for k, v in self._calls.items() if k[1] + k[2] <= self.n}  # (first, rows, ...)
+        if self.draft_kv is not None:
+            self.draft_kv.remove_row(b)
 
     def past_mask(self, rows: slice | None = None) -> np.ndarray:
         rows = rows or slice(0, self.n)
@@ -391,13 +425,78 @@ class DeviceExecutor:
         self.host_bytes += ids.nbytes
         return ids
 
+    # ------------------------------------------------------------------ drafters with K/V (EAGLE, DFlash)
     def draft_in_place(self, role: str) -> bool:
-        return False
+        return self.draft_kv is not None  # (every drafter graph writes its K/V in place: checked at load)
 
-    def draft_step(self, *args, **kwargs):
-        raise NotImplementedError("the device path drafts with Medusa only (EAGLE: the host path)")
+    def draft_step(self, feats, ids, pos, mask, topk: int, rows: slice | None = None, is_aux: bool = False,
+                   starts: np.ndarray | None = None) -> dict:
+        """One EAGLE drafter forward over ``rows`` of ``draft_kv`` (default: every occupied row), its
+        K/V written in place on the device; ``hidden_states_out`` and the top-k come back (counted)."""
+        m = self.dm.model
+        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask,
+                C.TOPK_IN: np.array([topk], dtype=np.int64)}
+        if m.drafter.get("eagle3"):  # exactly one of the two feature inputs has rows (contract)
+            bsz = ids.shape[0]
+            aux_dim, hid_dim = m.draft_spec.input(C.AUX_HIDDEN).dims[-1], m.draft_spec.input(C.HIDDEN).dims[-1]
+            feed[C.AUX_HIDDEN] = feats if is_aux else np.empty((bsz, 0, aux_dim), m.dtype)
+            feed[C.HIDDEN] = np.empty((bsz, 0, hid_dim), m.dtype) if is_aux else feats
+        else:
+            feed[C.HIDDEN] = feats
+        return self._draft_run(m.draft, m.draft_spec, feed, starts, rows, (C.HIDDEN_OUT, C.TOPK_IDS, C.TOPK_LOGPROBS),
+                               topk)
 
-    draft_tree = draft_step
+    def draft_tree(self, role: str, feed: dict, starts: np.ndarray) -> dict:
+        """One call of a baked EAGLE tree graph (graphs.eagle_draft) on the drafter's device K/V: the
+        tree's few small outputs come back."""
+        m = self.dm.model
+        spec = m.manifest.graphs[role]
+        names = tuple(t.name for t in spec.outputs if not t.name.startswith("present."))
+        return self._draft_run(m.tree_sessions[role], spec, dict(feed), starts, None, names, 0)
+
+    def draft_block(self, feats, ctx_pos, ids, pos, past, new, topk: int, starts: np.ndarray) -> dict:
+        """One DFlash drafter call over every occupied row of ``draft_kv`` (graphs.executor.Executor): the
+        new context rows written in place at ``starts`` on the device; the block's top-k come back."""
+        m = self.dm.model
+        feed = {C.AUX_HIDDEN: feats, C.CONTEXT_POSITION_IDS: ctx_pos, C.INPUT_IDS: ids, C.POSITION_IDS: pos,
+                C.ATTENTION_MASK: block_mask(past, new, ids.shape[1], starts),
+                C.TOPK_IN: np.array([topk], dtype=np.int64)}
+        return self._draft_run(m.draft, m.draft_spec, feed, starts, None, (C.TOPK_IDS, C.TOPK_LOGPROBS), topk)
+
+    def _draft_run(self, session, spec, feed: dict, starts, rows: slice | None, wanted: tuple, topk: int) -> dict:
+        """A drafter graph over ``rows`` of ``draft_kv``: host inputs copied in, each layer's K/V bound to
+        the rows' part of the device buffers (written in place at ``starts``), the ``wanted`` outputs
+        brought back into host arrays (counted in ``host_bytes``), the others left on the device."""
+        kv = self.draft_kv
+        rows = rows or slice(0, kv.n)
+        bsz = rows.stop - rows.start
+        s = feed[C.INPUT_IDS].shape[1]
+        feed[C.KV_WRITE] = np.asarray(starts, dtype=np.int64)
+        io = session.io_binding()
+        held = []
+        for name, arr in feed.items():
+            arr = np.ascontiguousarray(arr)
+            held.append(arr)
+            io.bind_cpu_input(name, arr)
+        kv.bind(io, rows.start, bsz)
+        aux = feed.get(C.AUX_HIDDEN)
+        sizes = {C.BATCH: bsz, C.SEQ: s, C.TOPK: topk, C.BLOCK_DRAFTS: s - 1,
+                 C.AUX_SEQ: 0 if aux is None else aux.shape[1]}
+        got = {}
+        for t in spec.outputs:
+            if t.name.startswith("present."):
+                continue
+            shape = tuple(sizes[d] if isinstance(d, str) else d for d in t.dims)
+            if t.name in wanted:
+                arr = got[t.name] = np.empty(shape, dtype=t.dtype)
+                io.bind_output(t.name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+            else:  # (the drafter's logits: read by nothing on the host)
+                io.bind_ortvalue_output(t.name, ort.OrtValue.ortvalue_from_shape_and_type(
+                    shape, np.dtype(t.dtype), self.dev, self.dev_id))
+        session.run_with_iobinding(io)
+        self.host_bytes += sum(a.nbytes for a in got.values())
+        del held
+        return got
 
     # ------------------------------------------------------------------ rows back to the host
     def fetch(self, value, shape: tuple, index: list) -> np.ndarray:
@@ -615,3 +714,160 @@ class _PlainRun:
 
     def feed(self, tokens) -> None:
         self.call.ids[:, 0] = tokens
+
+
+class DeviceDraftKV:
+    """The EAGLE / DFlash drafter's K/V on the device: per layer one K and one V buffer, an OrtValue (slots rows,
+    capacity columns) in the drafter graphs' layout, bound in place by pointer as the base's. The calls
+    of :class:`graphs.slots.SlotCache` the proposers make (graphs.proposers ``_Eagle``, ``DFlash``): every drafter
+    graph writes its new rows in place at the columns it is given, and what the proposers commit is
+    each row's new rows in order (the context), so a commit moves only the lengths; temporary rows
+    (the step-wise tree) are written at ``top + temp`` and forgotten. Growth and a row moved into a
+    freed one: device.draft_kv_copy (one call, every buffer)."""
+
+    def __init__(self, ex: DeviceExecutor, num_layers: int, kv_heads: int, head_dim: int, layout: str):
+        self.ex = ex
+        self.num_layers, self.kv_heads, self.head_dim, self.layout = num_layers, kv_heads, head_dim, layout
+        self.slots, self.limit, self.bucket = ex.slots, ex.limit, 64
+        self.dtype = np.dtype(ex.dm.dtype)
+        self.itemsize = self.dtype.itemsize
+        self.names = [n for i in range(num_layers) for n in (C.past_key(i), C.past_value(i))]
+        self.outs = [n for i in range(num_layers) for n in (C.present_key(i), C.present_value(i))]
+        self.capacity, self.n, self.temp, self.generation = 0, 0, 0, 0
+        self.lens = np.zeros(self.slots, dtype=np.int64)
+        self.buffers: list = []
+        self._hold: list = []
+
+    def _shape(self, rows: int, cap: int) -> tuple:
+        if self.layout == "bsh":
+            return (rows, cap, self.kv_heads * self.head_dim)
+        return (rows, self.kv_heads, cap, self.head_dim)
+
+    @property
+    def bytes_per_column(self) -> int:
+        return 2 * self.num_layers * self.slots * self.kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.bytes_per_column * self.limit
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.bytes_per_column * self.capacity
+
+    def _alloc(self, cap: int) -> list:
+        ex = self.ex
+        shape = self._shape(self.slots, cap)
+        if ex.dev == "cpu" or not self.buffers:
+            zeros = [np.zeros(shape, dtype=self.dtype) for _ in self.names]
+            if ex.dev == "cpu":
+                self._hold = zeros
+            return [ort.OrtValue.ortvalue_from_numpy(z, ex.dev, ex.dev_id) for z in zeros]
+        return [ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, ex.dev, ex.dev_id) for _ in self.names]
+
+    def reserve(self, columns: int) -> None:
+        if columns <= self.capacity:
+            return
+        if columns > self.limit:
+            raise ValueError(f"DeviceDraftKV: {columns} columns exceed the budget of {self.limit}")
+        cap = min(max(-(-columns // self.bucket) * self.bucket, self.capacity + self.capacity // 8), self.limit)
+        old, old_cap, hold = self.buffers, self.capacity, self._hold
+        new = self._alloc(cap)
+        if old and old_cap:
+            rank = len(self._shape(1, 1))
+            pads = [0] * (2 * rank)
+            pads[rank + rank - 2] = cap - old_cap
+            self._copy(old, 0, new, 0, self.slots, old_cap, cap, pads)
+        del hold
+        self.buffers, self.capacity = new, cap
+        self.generation += 1
+
+    reserve_columns = reserve
+
+    def _bind(self, io, first: int, rows: int, names_in, names_out, buffers=None, cap=None) -> None:
+        ex = self.ex
+        cap = self.capacity if cap is None else cap
+        shape = self._shape(rows, cap)
+        stride = int(np.prod(shape[1:])) * self.itemsize
+        for value, nin, nout in zip(buffers or self.buffers, names_in, names_out):
+            ptr = value.data_ptr() + first * stride
+            if nin:
+                io.bind_input(nin, ex.dev, ex.dev_id, self.dtype, shape, ptr)
+            if nout:
+                io.bind_output(nout, ex.dev, ex.dev_id, self.dtype, shape, ptr)
+
+    def bind(self, io, first: int, rows: int) -> None:
+        """A drafter graph's K/V inputs and their ``present.*`` outputs bound to rows first.. (in place)."""
+        self._bind(io, first, rows, self.names, self.outs)
+
+    def _copy(self, src, r_src, dst, r_dst, rows, cap_src, cap_dst, pads) -> None:
+        sess = self.ex.dm.sessions[C.DRAFT_COPY_ROLE]
+        io = sess.io_binding()
+        n = len(self.names)
+        pad_arr = np.asarray(pads, dtype=np.int64)
+        io.bind_cpu_input(C.PADS, pad_arr)
+        self._bind(io, r_src, rows, [C.cache_in(j) for j in range(n)], [None] * n, src, cap_src)
+        self._bind(io, r_dst, rows, [None] * n, [C.cache_out(j) for j in range(n)], dst, cap_dst)
+        sess.run_with_iobinding(io)
+
+    def shrink(self) -> None:
+        if self.n == 0 and self.capacity:
+            self.buffers, self._hold, self.capacity = [], [], 0
+            self.generation += 1
+
+    def add_row(self) -> int:
+        if self.n >= self.slots:
+            raise ValueError("DeviceDraftKV: no free row")
+        b = self.n
+        self.lens[b] = 0
+        self.n += 1
+        return b
+
+    def remove_row(self, b: int) -> int | None:
+        last = self.n - 1
+        self.n -= 1
+        moved = None
+        if b != last:
+            if self.lens[last]:
+                self._copy(self.buffers, last, self.buffers, b, 1, self.capacity, self.capacity,
+                           [0] * (2 * len(self._shape(1, 1))))
+            self.lens[b] = self.lens[last]
+            moved = last
+        self.lens[last] = 0
+        return moved
+
+    def past_mask(self, rows: slice | None = None) -> np.ndarray:
+        rows = rows or slice(0, self.n)
+        return np.arange(self.capacity)[None, :] < self.lens[rows][:, None]
+
+    def write_columns(self, rows: slice | None = None) -> np.ndarray:
+        rows = rows or slice(0, self.n)
+        return self.lens[rows].copy()
+
+    def top(self) -> int:
+        return int(self.lens[: self.n].max(initial=0))
+
+    def commit(self, presents, idx: np.ndarray, counts: np.ndarray, first: int = 0) -> None:
+        """Rows ``first..`` keep their ``counts`` new rows, written in place at their lengths in order
+        (``idx[b, j] == j``: the only commits the EAGLE and DFlash proposers make): the lengths move, nothing else."""
+        counts = np.asarray(counts, dtype=np.int64)
+        if presents is not None:
+            raise ValueError("DeviceDraftKV: the drafter's graphs write their K/V in place (no present.* to commit)")
+        keep = np.arange(idx.shape[1])[None, :] < counts[:, None]
+        if (np.asarray(idx)[keep] != np.nonzero(keep)[1]).any():
+            raise ValueError("DeviceDraftKV: a commit that moves drafter rows (only in-order new rows are kept)")
+        self.lens[first : first + len(counts)] += counts
+
+    def keep_new(self, counts, first: int = 0) -> None:
+        self.lens[first : first + len(counts)] += counts
+
+    def write_temp(self, presents, width: int | None = None) -> int:
+        if presents is not None:
+            raise ValueError("DeviceDraftKV: the drafter's graphs write their K/V in place")
+        start = self.top() + self.temp
+        self.reserve(start + width)
+        self.temp += width
+        return start
+
+    def drop_temp(self) -> None:
+        self.temp = 0

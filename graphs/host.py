@@ -110,8 +110,8 @@ class HostModel:
     def base_forward(self, kv, ids: np.ndarray, pos: np.ndarray, tree_mask: np.ndarray, rows: slice | None = None
                      ) -> dict:
         """One base forward over S new positions per row: ids, positions (B, S), tree_mask (B, S, S)
-        bool, against the columns ``kv`` holds (a :class:`graphs.slots.SlotCache`, its ``rows``, or a
-        :class:`graphs.kv.KVCache`). Returns every output by name (``present.*``: K/V of the S)."""
+        bool, against the columns ``kv`` holds (a :class:`graphs.slots.SlotCache`, rows ``rows`` of it).
+        Returns every output by name (``present.*``: K/V of the S)."""
         if ids.shape[1] < self.min_rows:  # a padding row that sees only itself; its outputs are dropped
             return self._padded_forward(kv, ids, pos, tree_mask, rows)
         return self._forward(kv, ids, pos, tree_mask, rows)
