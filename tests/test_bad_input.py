@@ -17,7 +17,7 @@ def model():
 
 
 def test_unknown_mode(model):
-    with pytest.raises(ValueError, match=r"unknown speculative mode 'hydra'; accepted: \['eagle', 'medusa'\]"):
+    with pytest.raises(ValueError, match=r"unknown speculative mode 'hydra'; accepted: \['dflash', 'eagle', 'medusa'\]"):
         convert(model, [("hydra", {})])
     assert not is_converted(model)
 
