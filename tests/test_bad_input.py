@@ -17,7 +17,8 @@ def model():
 
 
 def test_unknown_mode(model):
-    with pytest.raises(ValueError, match=r"unknown speculative mode 'hydra'; accepted: \['dflash', 'eagle', 'medusa'\]"):
+    expected = r"unknown speculative mode 'hydra'; accepted: \['dflash', 'eagle', 'medusa'\]"
+    with pytest.raises(ValueError, match=expected):
         convert(model, [("hydra", {})])
     assert not is_converted(model)
 
