@@ -38,6 +38,7 @@ import numpy as np
 import onnxruntime as ort
 
 from graphs import contract as C
+from graphs.eagle_draft import step_feed
 from graphs.errors import InputError, NonFiniteLogitsError
 from graphs.executor import ModelInfo
 from graphs.kv import inplace_mask
@@ -120,7 +121,33 @@ class DeviceModel:
         return self.model.info()
 
 
-class DeviceExecutor:
+class _Growing:
+    """Device K/V buffers (``buffers``, ``capacity`` columns a row) that grow in place of a copy to the
+    host: the base's (:class:`DeviceExecutor`) and the drafter's (:class:`DeviceDraftKV`); each gives
+    ``_shape``, ``_alloc``, ``_copy`` (its copy graph), ``_grown`` (after new buffers) and ``slots``, ``limit``,
+    ``bucket``, ``_hold``."""
+
+    def reserve(self, columns: int) -> None:
+        """Every row able to hold ``columns`` columns: larger buffers (by an eighth at least, up to the
+        budget), the old ones copied into them on the device (the copy graph, zero-padded)."""
+        if columns <= self.capacity:
+            return
+        if columns > self.limit:
+            raise ValueError(f"{type(self).__name__}: {columns} columns exceed the budget of {self.limit}")
+        cap = min(max(-(-columns // self.bucket) * self.bucket, self.capacity + self.capacity // 8), self.limit)
+        old, old_cap, hold = self.buffers, self.capacity, self._hold
+        new = self._alloc(cap)
+        if old and old_cap:
+            rank = len(self._shape(1, 1))
+            pads = [0] * (2 * rank)
+            pads[rank + rank - 2] = cap - old_cap  # the end of the column axis (rank - 2)
+            self._copy(old, 0, new, 0, self.slots, old_cap, cap, pads)
+        del hold
+        self.buffers, self.capacity = new, cap
+        self._grown()
+
+
+class DeviceExecutor(_Growing):
     """One engine's :class:`graphs.executor.Executor` with its K/V on the device (see the module)."""
 
     def __init__(self, model: DeviceModel, slots: int, max_len: int, headroom: int):
@@ -186,23 +213,7 @@ class DeviceExecutor:
         return [ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dm.dtype, self.dev, self.dev_id)
                 for _ in self.dm.names]
 
-    def reserve(self, columns: int) -> None:
-        """Every row able to hold ``columns`` columns: larger buffers (by an eighth at least, up to the
-        budget), the old ones copied into them on the device (device.kv_copy, zero-padded)."""
-        if columns <= self.capacity:
-            return
-        if columns > self.limit:
-            raise ValueError(f"DeviceExecutor: {columns} columns exceed the budget of {self.limit}")
-        cap = min(max(-(-columns // self.bucket) * self.bucket, self.capacity + self.capacity // 8), self.limit)
-        old, old_cap, hold = self.buffers, self.capacity, self._hold
-        new = self._alloc(cap)
-        if old and old_cap:
-            rank = len(self._shape(1, 1))
-            pads = [0] * (2 * rank)
-            pads[rank + rank - 2] = cap - old_cap  # the end of the column axis (rank - 2)
-            self._copy(old, 0, new, 0, self.slots, old_cap, cap, pads)
-        del hold
-        self.buffers, self.capacity = new, cap
+    def _grown(self) -> None:  # new buffers: the bound calls point at the old ones
         self.generation += 1
         self._calls.clear()
 
@@ -434,15 +445,7 @@ class DeviceExecutor:
         """One EAGLE drafter forward over ``rows`` of ``draft_kv`` (default: every occupied row), its
         K/V written in place on the device; ``hidden_states_out`` and the top-k come back (counted)."""
         m = self.dm.model
-        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask,
-                C.TOPK_IN: np.array([topk], dtype=np.int64)}
-        if m.drafter.get("eagle3"):  # exactly one of the two feature inputs has rows (contract)
-            bsz = ids.shape[0]
-            aux_dim, hid_dim = m.draft_spec.input(C.AUX_HIDDEN).dims[-1], m.draft_spec.input(C.HIDDEN).dims[-1]
-            feed[C.AUX_HIDDEN] = feats if is_aux else np.empty((bsz, 0, aux_dim), m.dtype)
-            feed[C.HIDDEN] = np.empty((bsz, 0, hid_dim), m.dtype) if is_aux else feats
-        else:
-            feed[C.HIDDEN] = feats
+        feed = step_feed(m, feats, ids, pos, mask, topk, is_aux)
         return self._draft_run(m.draft, m.draft_spec, feed, starts, rows, (C.HIDDEN_OUT, C.TOPK_IDS, C.TOPK_LOGPROBS),
                                topk)
 
@@ -716,7 +719,7 @@ class _PlainRun:
         self.call.ids[:, 0] = tokens
 
 
-class DeviceDraftKV:
+class DeviceDraftKV(_Growing):
     """The EAGLE / DFlash drafter's K/V on the device: per layer one K and one V buffer, an OrtValue (slots rows,
     capacity columns) in the drafter graphs' layout, bound in place by pointer as the base's. The calls
     of :class:`graphs.slots.SlotCache` the proposers make (graphs.proposers ``_Eagle``, ``DFlash``): every drafter
@@ -765,24 +768,11 @@ class DeviceDraftKV:
             return [ort.OrtValue.ortvalue_from_numpy(z, ex.dev, ex.dev_id) for z in zeros]
         return [ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, ex.dev, ex.dev_id) for _ in self.names]
 
-    def reserve(self, columns: int) -> None:
-        if columns <= self.capacity:
-            return
-        if columns > self.limit:
-            raise ValueError(f"DeviceDraftKV: {columns} columns exceed the budget of {self.limit}")
-        cap = min(max(-(-columns // self.bucket) * self.bucket, self.capacity + self.capacity // 8), self.limit)
-        old, old_cap, hold = self.buffers, self.capacity, self._hold
-        new = self._alloc(cap)
-        if old and old_cap:
-            rank = len(self._shape(1, 1))
-            pads = [0] * (2 * rank)
-            pads[rank + rank - 2] = cap - old_cap
-            self._copy(old, 0, new, 0, self.slots, old_cap, cap, pads)
-        del hold
-        self.buffers, self.capacity = new, cap
+    def _grown(self) -> None:  # new buffers: calls bound to the old ones are stale
         self.generation += 1
 
-    reserve_columns = reserve
+    def reserve_columns(self, columns: int) -> None:  # SlotCache's name for it
+        self.reserve(columns)
 
     def _bind(self, io, first: int, rows: int, names_in, names_out, buffers=None, cap=None) -> None:
         ex = self.ex

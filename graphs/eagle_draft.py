@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphs import contract as C
 from graphs.errors import InputError
 from graphs.trees import Tree
 
@@ -60,3 +61,18 @@ def tree_from_outputs(parents: np.ndarray, depth: np.ndarray, mask: np.ndarray, 
         kids[p].append(i)
     children = [np.array(k, dtype=np.int64) for k in kids]
     return Tree(parents.astype(np.int64), depth.astype(np.int64), mask, children, score=score.astype(np.float64))
+
+
+def step_feed(model, feats, ids, pos, mask, topk: int, is_aux: bool) -> dict:
+    """The step-wise EAGLE drafter call's inputs, on the host or the device path: the base's features
+    (``is_aux``: EAGLE-3's layers) or the drafter's own hidden go to the one feature input that has rows
+    (EAGLE-3's contract: the other is given with none)."""
+    feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask, C.TOPK_IN: np.array([topk], dtype=np.int64)}
+    if model.drafter.get("eagle3"):
+        bsz = ids.shape[0]
+        aux_dim, hid_dim = model.draft_spec.input(C.AUX_HIDDEN).dims[-1], model.draft_spec.input(C.HIDDEN).dims[-1]
+        feed[C.AUX_HIDDEN] = feats if is_aux else np.empty((bsz, 0, aux_dim), model.dtype)
+        feed[C.HIDDEN] = np.empty((bsz, 0, hid_dim), model.dtype) if is_aux else feats
+    else:
+        feed[C.HIDDEN] = feats
+    return feed

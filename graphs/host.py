@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphs import contract as C
-from graphs.eagle_draft import DRAFT_MODES, baked_trees
+from graphs.eagle_draft import DRAFT_MODES, baked_trees, step_feed
 from graphs.errors import InputError
 from graphs.executor import ModelInfo, select_on_host
 from graphs.integrity import recheck
@@ -333,15 +333,7 @@ class HostExecutor:
         base's features (``is_aux``: EAGLE-3 layers) or the drafter's own hidden, with ``mask`` for
         new rows going to columns ``starts``. ``present.*`` come back where not written in place."""
         m = self.model
-        feed = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.ATTENTION_MASK: mask,
-                C.TOPK_IN: np.array([topk], dtype=np.int64)}
-        if m.drafter.get("eagle3"):  # exactly one of the two feature inputs has rows (contract)
-            bsz = ids.shape[0]
-            aux_dim, hid_dim = m.draft_spec.input(C.AUX_HIDDEN).dims[-1], m.draft_spec.input(C.HIDDEN).dims[-1]
-            feed[C.AUX_HIDDEN] = feats if is_aux else np.empty((bsz, 0, aux_dim), m.dtype)
-            feed[C.HIDDEN] = np.empty((bsz, 0, hid_dim), m.dtype) if is_aux else feats
-        else:
-            feed[C.HIDDEN] = feats
+        feed = step_feed(m, feats, ids, pos, mask, topk, is_aux)
         return self._draft_call("draft", m.draft, m.draft_spec, [C.HIDDEN_OUT, C.TOPK_IDS, C.TOPK_LOGPROBS], feed,
                                 starts, rows)
 
