@@ -259,17 +259,27 @@ def test_a_thread_count_per_session_under_the_shared_pool_is_a_one_line_error(ex
 
 
 def test_session_options_reach_ort(exported):
-    dec = graphs.load(exported("eagle"), provider="cpu",
-                      session_options={"intra_op_num_threads": 1, "session.intra_op.allow_spinning": "1",
-                                       "enable_mem_pattern": False})
-    for s in (dec.base, dec.draft):
-        opts = s.get_session_options()
-        assert opts.intra_op_num_threads == 1 and opts.enable_mem_pattern is False
-        assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "1"
-    own = ort.SessionOptions()
-    own.inter_op_num_threads = 3
-    dec = graphs.load(exported("eagle"), provider="cpu", session_options=own)
-    assert dec.base.get_session_options().inter_op_num_threads == 3
+    """In a child process: a per-session thread count is refused once the process shares one pool
+    (above), and an earlier in-process test may have set that pool for good."""
+    import subprocess
+    import sys
+
+    code = ("import graphs\n"
+            f"dec = graphs.load({str(exported('eagle'))!r}, provider='cpu',\n"
+            "    session_options={'intra_op_num_threads': 1, 'session.intra_op.allow_spinning': '1',\n"
+            "                     'enable_mem_pattern': False})\n"
+            "for s in (dec.base, dec.draft):\n"
+            "    o = s.get_session_options()\n"
+            "    assert o.intra_op_num_threads == 1 and o.enable_mem_pattern is False\n"
+            "    assert o.get_session_config_entry('session.intra_op.allow_spinning') == '1'\n"
+            "import onnxruntime as ort\n"
+            "own = ort.SessionOptions()\n"
+            "own.inter_op_num_threads = 3\n"
+            f"dec = graphs.load({str(exported('eagle'))!r}, provider='cpu', session_options=own)\n"
+            "assert dec.base.get_session_options().inter_op_num_threads == 3\n"
+            "print('OK')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stderr
     with pytest.raises(TypeError, match="session_options must be"):
         graphs.load(exported("eagle"), provider="cpu", session_options=["x"])
     # a misspelt attribute is not silently turned into a config entry
