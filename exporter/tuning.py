@@ -150,19 +150,7 @@ def eagle_gains(dec, prompts: list[list[int]], new: int, topk: int, depth: int) 
     """Mean tokens per step of the (topk, depth, n) tree for n = 1..T (step-wise drafting, every drafted
     node verified), the step-wise draft seconds per step and the host seconds per step."""
     t_full = min(max_eagle_nodes(topk, depth), MAX_TREE)
-    gains, steps, draft, host = [], 0, 0.0, 0.0
-    with dec.watch_verify() as records:
-        for p in prompts:
-            r = dec.generate(p, max_new_tokens=new, tree={"topk": topk, "depth": depth, "total_tokens": t_full})
-            steps += r.stats.steps
-            draft += r.stats.time_draft
-            host += r.stats.time_host
-    for rec in records:
-        g = np.full(t_full, np.nan)
-        g[: rec.tree.size] = counterfactual_gain(rec.tree, rec.accepted)
-        g[rec.tree.size:] = g[rec.tree.size - 1]
-        gains.append(g)
-    return np.mean(gains, axis=0), draft / max(steps, 1), host / max(steps, 1)
+    return tree_gains(dec, prompts, new, {"topk": topk, "depth": depth, "total_tokens": t_full}, t_full)
 
 
 def tree_gains(dec, prompts: list[list[int]], new: int, tree: dict, full: int) -> tuple[np.ndarray, float, float]:

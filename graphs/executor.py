@@ -81,6 +81,31 @@ class Executor(Protocol):
     # (n, S-1, topk), and ``present.*`` (n, kv, A, d) where the graph does not write them in place
 
 
+class HostRows:
+    """An executor's rows where the K/V are host :class:`graphs.slots.SlotCache` s: the base's ``kv`` and
+    the drafter's ``draft_kv`` (or None), one row each per request, added, moved and shrunk together."""
+
+    @property
+    def rows(self) -> int:
+        return self.kv.n
+
+    def add_row(self) -> int:
+        if self.draft_kv is not None:
+            self.draft_kv.add_row()
+        return self.kv.add_row()
+
+    def remove_row(self, b: int) -> None:
+        self.kv.remove_row(b)
+        if self.draft_kv is not None:
+            self.draft_kv.remove_row(b)
+
+    def shrink(self, keep_base: bool = False) -> None:
+        if not keep_base:
+            self.kv.shrink()
+        if self.draft_kv is not None:
+            self.draft_kv.shrink()
+
+
 def select_on_host(logits: np.ndarray, picks: list) -> list:
     """``select`` where the logits are host arrays (n, S, V): row b's sampler walks its tree over
     ``logits[b, :size]``. ``picks[b]``: (sampler, tree, tokens) or None (an idle row). A row's own

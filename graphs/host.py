@@ -13,7 +13,7 @@ import numpy as np
 from graphs import contract as C
 from graphs.eagle_draft import DRAFT_MODES, baked_trees, step_feed
 from graphs.errors import InputError
-from graphs.executor import ModelInfo, select_on_host
+from graphs.executor import HostRows, ModelInfo, select_on_host
 from graphs.integrity import recheck
 from graphs.kv import inplace_mask
 from graphs.schema import check_session, load_graph
@@ -220,7 +220,7 @@ def verify_with(model, kv, trees: list, tokens: list) -> dict:
     return model.base_forward(kv, ids, kv.lens[:n, None] + depth, tmask)
 
 
-class HostExecutor:
+class HostExecutor(HostRows):
     """One engine's :class:`graphs.executor.Executor` on a :class:`HostModel`: its K/V rows in host memory."""
 
     def __init__(self, model: HostModel, slots: int, max_len: int, headroom: int, kv: SlotCache | None = None):
@@ -250,26 +250,6 @@ class HostExecutor:
         self._presents = None  # the last verify's K/V where the graph did not write it in place
 
     # ------------------------------------------------------------------ rows
-    @property
-    def rows(self) -> int:
-        return self.kv.n
-
-    def add_row(self) -> int:
-        if self.draft_kv is not None:
-            self.draft_kv.add_row()
-        return self.kv.add_row()
-
-    def remove_row(self, b: int) -> None:
-        self.kv.remove_row(b)
-        if self.draft_kv is not None:
-            self.draft_kv.remove_row(b)
-
-    def shrink(self, keep_base: bool = False) -> None:
-        if not keep_base:
-            self.kv.shrink()
-        if self.draft_kv is not None:
-            self.draft_kv.shrink()
-
     def memory(self) -> dict:
         got = {"kv_budget_bytes": self.kv.budget_bytes, "kv_allocated_bytes": self.kv.allocated_bytes}
         if self.draft_kv is not None:

@@ -32,7 +32,7 @@ import numpy as np
 from graphs import contract as C
 from graphs.adaptive import Costs, Planner
 from graphs.engine import Engine, EngineConfig
-from graphs.executor import ModelInfo, select_on_host
+from graphs.executor import HostRows, ModelInfo, select_on_host
 from graphs.requests import RequestMaker
 from graphs.slots import SlotCache
 
@@ -60,7 +60,7 @@ def reference(prompt: list[int], n: int) -> list[int]:
     return out
 
 
-class FakeExecutor:
+class FakeExecutor(HostRows):
     """:class:`graphs.executor.Executor` over the table above; counts its calls (``calls``)."""
 
     def __init__(self, slots: int, max_len: int, headroom: int, kind: str | None = "medusa", heads: int = 3,
@@ -75,26 +75,6 @@ class FakeExecutor:
         self.calls: list[tuple[str, int, int]] = []  # (kind, rows, width)
 
     # ---------------------------------------------------------------- rows
-    @property
-    def rows(self) -> int:
-        return self.kv.n
-
-    def add_row(self) -> int:
-        if self.draft_kv is not None:
-            self.draft_kv.add_row()
-        return self.kv.add_row()
-
-    def remove_row(self, b: int) -> None:
-        self.kv.remove_row(b)
-        if self.draft_kv is not None:
-            self.draft_kv.remove_row(b)
-
-    def shrink(self, keep_base: bool = False) -> None:
-        if not keep_base:
-            self.kv.shrink()
-        if self.draft_kv is not None:
-            self.draft_kv.shrink()
-
     def memory(self) -> dict:
         return {"kv_budget_bytes": self.kv.budget_bytes, "kv_allocated_bytes": self.kv.allocated_bytes}
 
