@@ -135,6 +135,40 @@ def exported(tiny_model_dir, tmp_path_factory):
     return make
 
 
+def dflash_prompts(n: int, seed: int = 0, length: int = 6) -> list[list[int]]:
+    """Token prompts whose answers the :func:`trained_dflash` drafter was trained on (the first 16)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def trained_dflash(tmp_path_factory):
+    """(export dir, training report): a tiny base and a DFlash drafter (block 4) trained on its own
+    distilled answers of :func:`dflash_prompts`, exported; built once (test_dflash_loop, test_dflash_engine)."""
+    from tiny import tiny_model
+
+    from exporter import pipeline
+    from exporter.speculative import enable_huggingface_checkpointing
+    from exporter.speculative import training as T
+
+    quiet = dict(log=lambda *a, **k: None)
+    d = tmp_path_factory.mktemp("dflash-trained")
+    save_tiny_model(tiny_model(num_hidden_layers=6), d / "base")
+    pipeline.export(d / "base", d / "ar", **quiet)
+    cfg = T.TrainingConfig(mode="dflash", max_new_tokens=32, distill_rows=8, seconds_budget=None, epochs=15,
+                           batch_size=8, learning_rate=5e-3, heldout_fraction=0.1,
+                           drafter_config={"dflash_block_size": 4})
+    model = tiny_model(num_hidden_layers=6)
+    examples = [(f"c{i % 2}", q) for i, q in enumerate(dflash_prompts(16))]
+    report = T.run(model, d / "ar", examples, cfg, d / "work", **quiet)
+    enable_huggingface_checkpointing()
+    save_tiny_model(model, d / "model")
+    pipeline.export(d / "model", d / "out", **quiet)
+    return d / "out", report
+
+
 def run_module(module: str, *args, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m module args...`` from the repository root; text output captured."""
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

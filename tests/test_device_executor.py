@@ -440,12 +440,10 @@ def test_eagle3_sampling_on_the_device_path_keeps_the_base_distribution(tmp_path
 # ---------------------------------------------------------------- DFlash on the device path
 
 @pytest.fixture(scope="module")
-def dflash_device_export(tmp_path_factory):
-    """test_dflash_engine's trained tiny DFlash export (block 4), optimized for the CPU: the drafter's
-    context K/V written in place, device.draft_kv_copy beside it."""
-    from test_dflash_engine import dflash_export
-
-    out = dflash_export.__wrapped__(tmp_path_factory)[0]
+def dflash_device_export(trained_dflash, tmp_path_factory):
+    """conftest's trained tiny DFlash export (block 4), optimized for the CPU: the drafter's context K/V
+    written in place, device.draft_kv_copy beside it."""
+    out = trained_dflash[0]
     opt = tmp_path_factory.mktemp("device-dflash") / "out"
     shutil.copytree(out, opt)
     optimize_export(opt, **QUIET)

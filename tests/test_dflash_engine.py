@@ -2,8 +2,8 @@
 with it, the block verified as the chain or as a top-k tree, lossless, beside requests of other
 strategies, with drafts the base accepts.
 
-The export is test_dflash_loop's: a tiny base and a DFlash drafter (block 4) trained on its own
-distilled answers, built once for the module."""
+The export is conftest.trained_dflash: a tiny base and a DFlash drafter (block 4) trained on its own
+distilled answers, built once for the session (test_dflash_loop reads it too)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import dflash_prompts
 from dflash_reference import Graphs
-from tiny import tiny_model
 
 import graphs
 from exporter import pipeline
 from exporter.speculative import enable_huggingface_checkpointing
-from exporter.speculative import training as T
 from graphs import contract as C
 from graphs.dflash_tree import block_trees
 from graphs.engine import EngineConfig
@@ -31,26 +29,14 @@ TREE = {"topk": 3, "total_tokens": 8}
 
 
 def prompts(n, seed=0, length=6):
-    """The prompts the drafter was trained on the answers of (test_dflash_loop's)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 250, (length,), generator=g).tolist() for _ in range(n)]
+    """The prompts the drafter was trained on the answers of."""
+    return dflash_prompts(n, seed, length)
 
 
 @pytest.fixture(scope="module")
-def dflash_export(tmp_path_factory):
-    """(export dir, its reference graphs): a tiny base, a DFlash drafter (block 4) trained a little."""
-    d = tmp_path_factory.mktemp("dflash-engine")
-    save_tiny_model(tiny_model(num_hidden_layers=6), d / "base")
-    pipeline.export(d / "base", d / "ar", **QUIET)
-    cfg = T.TrainingConfig(mode="dflash", max_new_tokens=32, distill_rows=8, seconds_budget=None, epochs=15,
-                           batch_size=8, learning_rate=5e-3, heldout_fraction=0.1,
-                           drafter_config={"dflash_block_size": 4})
-    model = tiny_model(num_hidden_layers=6)
-    T.run(model, d / "ar", [(f"c{i % 2}", p) for i, p in enumerate(prompts(16))], cfg, d / "work", **QUIET)
-    enable_huggingface_checkpointing()
-    save_tiny_model(model, d / "model")
-    pipeline.export(d / "model", d / "out", **QUIET)
-    return d / "out", Graphs(d / "out")
+def dflash_export(trained_dflash):
+    """(export dir, its reference graphs): a tiny base, a DFlash drafter (block 4) trained a little (conftest)."""
+    return trained_dflash[0], Graphs(trained_dflash[0])
 
 
 @pytest.fixture(scope="module")
