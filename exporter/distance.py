@@ -141,11 +141,27 @@ class LogitsDistance:
         return self.kl <= q.kl and (self.top1_decided is None or self.top1_decided >= q.top1)
 
 
+def abs_error(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """|ref - got| elementwise (float64), where the same infinity on both sides is 0 (a DFlash draft
+    vocabulary's -inf logits) and an infinity or a nan on one side only is inf."""
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    same = np.isinf(ref) & (ref == got)
+    d = np.abs(np.where(same, 0.0, ref) - np.where(same, 0.0, got))
+    d[np.isnan(d)] = np.inf
+    return d
+
+
+def sane(ref: np.ndarray, got: np.ndarray) -> bool:
+    """``got`` is finite wherever ``ref`` is, and has ``ref``'s infinities elsewhere (never a nan)."""
+    return bool((np.isfinite(got) | (np.isinf(ref) & (ref == got))).all())
+
+
 def logits_distance(ref: np.ndarray, got: np.ndarray, margin: float = 0.1) -> LogitsDistance:
     """Distance of ``got`` from ``ref`` over all positions of (..., V) logits (see :class:`Quality`)."""
     lp, lq = _log_softmax(ref), _log_softmax(got)
     p = np.exp(lp)
-    kl = (p * (lp - lq)).sum(-1)  # (...,)
+    with np.errstate(invalid="ignore"):  # (-inf - -inf where both leave a token out: weight 0)
+        kl = np.where(p > 0, p * (lp - lq), 0.0).sum(-1)  # (...,)
     agree = ref.argmax(-1) == got.argmax(-1)  # (...,)
     top2 = np.sort(p, axis=-1)[..., -2:]  # (..., 2): runner-up, top
     decided = (top2[..., 1] - top2[..., 0]) >= margin

@@ -203,7 +203,8 @@ def describe_drafter(model) -> tuple[dict | None, dict]:
         mod = model.dflash_module
         return ({"kind": "dflash", "block_size": mod.block_size, "mask_token_id": mod.mask_token_id,
                  "target_layer_ids": list(mod.target_layer_ids), "num_layers": len(mod.layers),
-                 "num_kv_heads": mod.num_kv_heads, "head_dim": mod.head_dim, "parameters": n_params, "config": cfg},
+                 "num_kv_heads": mod.num_kv_heads, "head_dim": mod.head_dim, "parameters": n_params, "config": cfg,
+                 "draft_vocab_size": model.config.vocab_size if mod.draft_vocab is None else len(mod.draft_vocab)},
                 {"dflash": {"topk": 1, "total_tokens": mod.block_size}})  # the chain, until trees are measured
     mod = model.eagle_module
     entry = {

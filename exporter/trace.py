@@ -92,12 +92,16 @@ class DFlashGraph(nn.Module):
         super().__init__()
         self.dflash_module = model.dflash_module
         self.base = BaseParts(model)
+        vocab = model.dflash_module.draft_vocab
+        # a draft vocabulary's head rows as a weight of their own: the graph reads those rows only
+        self.head_rows = None if vocab is None else nn.Parameter(
+            model.lm_head.weight.detach()[vocab].clone(), requires_grad=False)
 
     def forward(self, aux, context_position_ids, input_ids, position_ids, mask, *rest):
         *past, topk = rest
         past_kv = pairs(past) if past else None
         logits, new = self.dflash_module.step(self.base, aux, context_position_ids, input_ids, position_ids, mask,
-                                              past_kv)
+                                              past_kv, self.head_rows)
         ids, scores = _topk(logits, topk)
         return (logits, ids, scores, *flatten_kv(new))
 

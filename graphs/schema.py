@@ -116,6 +116,8 @@ def _dflash(drafter: dict, graphs: dict, n_layers: int, vocab: int) -> None:
     _int(drafter, "mask_token_id", "drafter", lo=0)
     if drafter["mask_token_id"] >= vocab:
         _fail("drafter.mask_token_id", f"= {drafter['mask_token_id']} is outside the vocabulary ({vocab})")
+    if "draft_vocab_size" in drafter and _int(drafter, "draft_vocab_size", "drafter") > vocab:  # (older: absent)
+        _fail("drafter.draft_vocab_size", f"= {drafter['draft_vocab_size']} is over the vocabulary ({vocab})")
     ids = drafter.get("target_layer_ids")
     if not isinstance(ids, list) or not ids or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers for i in ids):

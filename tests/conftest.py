@@ -145,8 +145,9 @@ def dflash_prompts(n: int, seed: int = 0, length: int = 6) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def trained_dflash(tmp_path_factory):
-    """(export dir, training report): a tiny base and a DFlash drafter (block 4) trained on its own
-    distilled answers of :func:`dflash_prompts`, exported; built once (test_dflash_loop, test_dflash_engine)."""
+    """(export dir, training report): a tiny base and a DFlash drafter (block 4, logits over a draft
+    vocabulary of 128 of the 256 tokens) trained on its own distilled answers of :func:`dflash_prompts`,
+    exported; built once (test_dflash_loop, test_dflash_engine, test_device_executor)."""
     from tiny import tiny_model
 
     from exporter import pipeline
@@ -158,7 +159,7 @@ def trained_dflash(tmp_path_factory):
     save_tiny_model(tiny_model(num_hidden_layers=6), d / "base")
     pipeline.export(d / "base", d / "ar", **quiet)
     cfg = T.TrainingConfig(mode="dflash", max_new_tokens=32, distill_rows=8, seconds_budget=None, epochs=15,
-                           batch_size=8, learning_rate=5e-3, heldout_fraction=0.1,
+                           batch_size=8, learning_rate=5e-3, heldout_fraction=0.1, draft_vocab_size=128,
                            drafter_config={"dflash_block_size": 4})
     model = tiny_model(num_hidden_layers=6)
     examples = [(f"c{i % 2}", q) for i, q in enumerate(dflash_prompts(16))]

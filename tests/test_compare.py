@@ -179,6 +179,17 @@ def test_compare_arrays_top1_agreement():
     assert r["ok"] is True
 
 
+def test_compare_arrays_minus_inf_on_both_sides_agrees_on_one_side_fails():
+    """A DFlash draft vocabulary's logits are -inf outside it: the same -inf on both sides is exact
+    agreement (errors over the rest); -inf against a number, or a nan, fails."""
+    ref = np.array([[-np.inf, -3.0, -2.0, -np.inf]])
+    r = compare_arrays(ref, ref + np.array([[0.0, 1e-6, 0.0, 0.0]]), TOL, "logits")
+    assert r["ok"] is True and r["max_abs"] < 1e-5 and r["top1"] == 1.0 and np.isfinite(r["max_rel"])
+    for got in ([[-3.0, -3.0, -2.0, -np.inf]], [[-np.inf, -3.0, np.nan, -np.inf]], [[np.inf, -3.0, -2.0, -np.inf]]):
+        r = compare_arrays(ref, np.array(got), TOL, "logits")
+        assert r["ok"] is False and r["max_abs"] == np.inf, got
+
+
 def test_compare_arrays_rtol_scales_with_the_reference():
     ref = np.full((3,), 100.0, np.float32)
     got = ref + 0.05

@@ -186,6 +186,39 @@ def test_save_pretrained_and_from_pretrained_restore(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
+def test_a_draft_vocabulary_keeps_the_heads_rows_and_is_saved(tmp_path):
+    """dflash_draft_vocab_size: logits are the base head's at those tokens, -inf elsewhere, the same with
+    the rows precomputed (as the export keeps them); the loss runs over them; the ids are saved and
+    restored; a size at or over the base's vocabulary is one line."""
+    from transformers import AutoModelForCausalLM
+
+    model = dflash_model(dflash_draft_vocab_size=64)
+    dm = model.dflash_module
+    vocab = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:64].sort().values
+    dm.draft_vocab.copy_(vocab)
+    hidden = torch.randn(2, 3, 64)
+    got = dm.logits(model, hidden)
+    want = model.lm_head(hidden)
+    assert got.shape == want.shape and torch.isneginf(got).sum() == 2 * 3 * (256 - 64)
+    torch.testing.assert_close(got[..., vocab], want[..., vocab])
+    torch.testing.assert_close(dm.logits(model, hidden, model.lm_head.weight[vocab].clone()), got)
+    ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(1))
+    _, _, aux = model.base_outputs(ids)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    torch.manual_seed(3)
+    own = dflash_loss(dm, model.spec_config, model, (None, aux), ids, valid)
+    torch.manual_seed(3)
+    passed = dflash_loss(dm, model.spec_config, model, (None, aux), ids, valid, vocab=torch.arange(64))
+    torch.testing.assert_close(own, passed)  # the module's own vocabulary wins over the argument
+    enable_huggingface_checkpointing()
+    model.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(back.dflash_module.draft_vocab, vocab)
+    with pytest.raises(ValueError, match="must be below the base's vocabulary") as e:
+        dflash_model(dflash_draft_vocab_size=256)
+    assert "\n" not in str(e.value)
+
+
 def test_training_on_the_cache_lowers_the_loss_and_reports_block_acceptance(tmp_path):
     """training.run with given examples (no distillation): the mask token picked, features cached, the
     drafter trained (loss falls), held-out acceptance over the block (depth b-1)."""

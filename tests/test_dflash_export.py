@@ -24,14 +24,22 @@ CFG = {"dflash_block_size": 4, "dflash_mask_token_id": 250, "dflash_target_layer
 QUIET = dict(log=lambda *a, **k: None)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+VOCAB = 100  # "llama-vocab": the drafter's logits over 100 of the 256 tokens (dflash_draft_vocab_size)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-vocab"])
 def dflash_export(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"dflash-{request.param}")
     torch.manual_seed(1)
-    model = convert(tiny_model(request.param, seed=0), [("dflash", dict(CFG))])
+    arch, vocab = request.param.split("-")[0], request.param.endswith("-vocab")
+    cfg = {**CFG, "dflash_draft_vocab_size": VOCAB if vocab else None}
+    model = convert(tiny_model(arch, seed=0), [("dflash", cfg)])
     with torch.no_grad():  # away from the init, so a wrong weight cannot pass
         for p in model.dflash_module.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+        if vocab:  # not a prefix of the ids: a graph that took the head's first rows would fail
+            model.dflash_module.draft_vocab.copy_(torch.randperm(256, generator=torch.Generator().manual_seed(4))[
+                :VOCAB].sort().values)
     save_tiny_model(model, d / "model")
     pipeline.export(d / "model", d / "out", **QUIET)
     return model, d / "out"
@@ -85,8 +93,43 @@ def test_graph_drafts_a_block_over_its_own_cache_as_pytorch_does(dflash_export):
         got = res
     with torch.no_grad():
         hidden = block_hidden(dm, model, aux, ids, torch.tensor([[8]]), torch.tensor([[True]]))
-        want = model.lm_head(hidden[:, 1:]).numpy()
-    np.testing.assert_allclose(got[C.LOGITS], want, atol=1e-4, rtol=1e-4)
+        want = dm.logits(model, hidden[:, 1:]).numpy()
+    np.testing.assert_allclose(got[C.LOGITS], want, atol=1e-4, rtol=1e-4)  # (-inf where want is -inf)
+
+
+def test_a_draft_vocabulary_is_the_heads_rows_of_its_tokens_only(dflash_export):
+    """dflash_draft_vocab_size: the draft graph holds the head's rows of those tokens (not the whole
+    head), its logits are -inf elsewhere and its top-k are base token ids among them; the manifest says
+    the size; without one, the whole vocabulary."""
+    import onnx
+    from onnx import numpy_helper
+
+    from exporter.validate import dflash_cases, run_case
+
+    model, out = dflash_export
+    m = Manifest.read(out)
+    dm = model.dflash_module
+    if dm.draft_vocab is None:
+        assert m.drafter["draft_vocab_size"] == 256
+        return
+    assert m.drafter["draft_vocab_size"] == VOCAB
+    spec = m.graphs["draft"]
+    proto = onnx.load(str(out / spec.file))
+    shapes = [tuple(i.dims) for i in proto.graph.initializer]
+    assert shapes.count((256, 64)) == 1 and ((VOCAB, 64) in shapes or (64, VOCAB) in shapes), shapes  # embedding, rows
+    head = model.lm_head.weight.detach()[dm.draft_vocab].numpy()
+    rows = [numpy_helper.to_array(i) for i in proto.graph.initializer if tuple(i.dims) in ((VOCAB, 64), (64, VOCAB))]
+    assert any(np.array_equal(r if r.shape == head.shape else r.T, head) for r in rows)
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(out / spec.file), providers=["CPUExecutionProvider"])
+    inside = np.zeros(256, bool)
+    inside[dm.draft_vocab.numpy()] = True
+    for _, inputs in dflash_cases(model, m.graphs["base"], torch.Generator().manual_seed(5)):
+        res = dict(zip(spec.output_names, run_case(sess, spec, inputs)))
+        logits = res[C.LOGITS]
+        assert np.isneginf(logits[..., ~inside]).all() and np.isfinite(logits[..., inside]).all()
+        assert inside[res[C.TOPK_IDS]].all()
 
 
 def test_schema_refuses_a_bad_dflash_entry(dflash_export):
@@ -95,7 +138,8 @@ def test_schema_refuses_a_bad_dflash_entry(dflash_export):
     check_manifest(good)
     for key, value, fragment in (("mask_token_id", 256, "outside the vocabulary"),
                                  ("target_layer_ids", [0, 9], "target_layer_ids"),
-                                 ("block_size", 1, "block_size"), ("num_layers", 3, "past K/V layers")):
+                                 ("block_size", 1, "block_size"), ("num_layers", 3, "past K/V layers"),
+                                 ("draft_vocab_size", 257, "over the vocabulary")):
         bad = copy.deepcopy(good)
         bad["drafter"][key] = value
         with pytest.raises(ArtifactError, match=fragment):

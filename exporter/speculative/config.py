@@ -230,6 +230,11 @@ class DFlashConfig:
     """Accepted, no effect."""
     dflash_use_torch_compile: bool = True
     """Accepted, no effect."""
+    dflash_draft_vocab_size: int | None = None
+    """Ours, not ModelOpt's: the drafter's logits over this many tokens only (the ``draft_vocab``
+    buffer, the rows of the base's head it keeps; the rest -inf). Set where the drafter trained its
+    loss over them (samples/train_drafter.py): on a CPU the head over the whole vocabulary is most of
+    a draft call. None: the whole vocabulary (ModelOpt's and z-lab's drafters)."""
     dflash_swa_window_size: int | None = None
     """Sliding-window drafter attention: not supported yet (None only)."""
     dflash_export_rope_scaling: dict = field(default_factory=dict)
@@ -261,6 +266,8 @@ class DFlashConfig:
                       self.dflash_architecture_config["num_hidden_layers"])
         if self.dflash_mask_token_id is not None:
             _positive_int("dflash_mask_token_id", self.dflash_mask_token_id, minimum=0)
+        if self.dflash_draft_vocab_size is not None:
+            _positive_int("dflash_draft_vocab_size", self.dflash_draft_vocab_size)
         if self.dflash_loss_objective not in ("dpace", "decay"):
             raise ValueError(f"dflash_loss_objective must be 'dpace' or 'decay', got {self.dflash_loss_objective!r}")
         if not 0.0 < self.dflash_dpace_alpha <= 1.0:

@@ -10,6 +10,9 @@ bidirectionally, and slot k's logits guess the token at anchor position + k::
     per draft layer l:  X += o_proj(attn(q(X), [k_ctx ; k(X)], [v_ctx ; v(X)]));  X += mlp(norm(X))
     logits = base.lm_head(norm(X)[:, 1:])                    (B, b-1, V) the base's head
 
+With a draft vocabulary (``dflash_draft_vocab_size``, ours) the head keeps the rows of those tokens
+only and every other logit is -inf: the drafter never proposes them, the verifier stays lossless.
+
 A context row's K/V in every layer is a function of its feature and position only, so the export
 keeps them in a cache (like the base's K/V) and each call adds the new rows. Tensor names follow
 ModelOpt's ``DFlashModule`` (``plugins/modeling_dflash.py``) and z-lab's ``DFlashDraftModel``:
@@ -193,6 +196,12 @@ class DFlashModule(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(d) for _ in range(cfg.num_layers))
         self.norm = Qwen3RMSNorm(h, eps=d.rms_norm_eps)
         self.rotary_emb = Rotary(d.head_dim, d.rope_theta)
+        n = cfg.dflash_draft_vocab_size
+        if n is not None and n >= base_config.vocab_size:
+            raise ValueError(f"dflash_draft_vocab_size {n} must be below the base's vocabulary "
+                             f"({base_config.vocab_size}); leave it None for the whole vocabulary")
+        # sorted token ids (the training sets them: training.set_dflash_vocab); a buffer, so it is saved
+        self.register_buffer("draft_vocab", None if n is None else torch.arange(n))
         for m in self.modules():  # ModelOpt's _init_weights: normal(0, initializer_range), zero biases
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, mean=0.0, std=d.initializer_range)
@@ -206,6 +215,17 @@ class DFlashModule(nn.Module):
     @property
     def head_dim(self) -> int:
         return self.dims.head_dim
+
+    def logits(self, base, hidden, head_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The base's head over ``hidden`` (..., H): (..., V). With a draft vocabulary, only its rows
+        (``head_rows``: those rows, precomputed, as the export keeps them) and -inf elsewhere."""
+        if self.draft_vocab is None:
+            return base.lm_head(hidden)
+        head = base.lm_head
+        w = head.weight[self.draft_vocab] if head_rows is None else head_rows
+        sub = F.linear(hidden, w, None if head.bias is None else head.bias[self.draft_vocab])  # (..., n)
+        full = torch.full((*hidden.shape[:-1], head.out_features), float("-inf"), dtype=sub.dtype, device=sub.device)
+        return full.scatter(-1, self.draft_vocab.expand(*hidden.shape[:-1], -1), sub)
 
     def context(self, aux_hidden, context_position_ids) -> PastKV:
         """Per draft layer, the K/V (B, hkv, A, d) of context rows: features (B, A, n*H) at positions (B, A)."""
@@ -223,12 +243,13 @@ class DFlashModule(nn.Module):
         return self.norm(x)
 
     def step(self, base, aux_hidden, context_position_ids, input_ids, position_ids, attention_mask,
-             past: PastKV | None = None):
+             past: PastKV | None = None, head_rows: torch.Tensor | None = None):
         """The draft graph: new context rows into the cache, then one block.
 
         aux_hidden (B, A, n*H) at context_position_ids (B, A); the block input_ids/position_ids (B, S);
         attention_mask bool (B, 1, S, P+A+S) over cached context | new context | block; past per layer
-        (B, hkv, P, d). Returns (logits of slots 1..S-1 (B, S-1, V), the A rows' K/V per layer)."""
+        (B, hkv, P, d); ``head_rows`` as :meth:`logits`. Returns (logits of slots 1..S-1 (B, S-1, V),
+        the A rows' K/V per layer)."""
         new = self.context(aux_hidden, context_position_ids)
         # the context concat is its own node per past input (the in-place pass turns it into a write)
         kv = new if not past else [(torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
@@ -236,7 +257,7 @@ class DFlashModule(nn.Module):
         n_ctx = kv[0][0].shape[2]
         emb = base.model.embed_tokens(input_ids)  # (B, S, H)
         hidden = self.blocks(emb, position_ids, kv, attention_mask[..., :n_ctx], attention_mask[..., n_ctx:])
-        return base.lm_head(hidden[:, 1:]), new
+        return self.logits(base, hidden[:, 1:], head_rows), new
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -304,6 +325,8 @@ def dflash_loss(module: DFlashModule, cfg: DFlashConfig, base, base_out, input_i
     whose target is outside weighing nothing; on a CPU the head is most of a step's cost.
     """
     logits_b, aux = base_out
+    if module.draft_vocab is not None:  # the drafter's own vocabulary is the loss's
+        vocab = module.draft_vocab
     bsz, length = input_ids.shape
     b = module.block_size
     dev = input_ids.device
@@ -360,6 +383,6 @@ def dflash_block_topk(model, features, input_ids, anchors, k: int = 1):
     dm = model.dflash_module
     a = torch.as_tensor(anchors, dtype=torch.long)[None]  # (1, N)
     hidden = block_hidden(dm, model, features, input_ids, a, torch.ones_like(a, dtype=torch.bool))
-    logits = model.lm_head(hidden.view(a.shape[1], dm.block_size, -1)[:, 1:])  # (N, b-1, V)
+    logits = dm.logits(model, hidden.view(a.shape[1], dm.block_size, -1)[:, 1:])  # (N, b-1, V)
     lp, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
     return ids, lp

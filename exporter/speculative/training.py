@@ -70,7 +70,8 @@ class TrainingConfig:
     learning_rate: float = 2e-3
     draft_vocab_size: int | None = 8192
     """EAGLE-3: the drafter's own head covers the base's most frequent answer tokens (d2t maps back).
-    Medusa, DFlash: the training loss runs over those tokens only; the exported heads keep the whole
+    DFlash: the drafter's logits cover those tokens only (``dflash_draft_vocab_size``), its loss too.
+    Medusa: the training loss runs over those tokens only; the exported heads keep the whole
     vocabulary (the projection over it is most of a training step's cost on a CPU)."""
     heldout_fraction: float = 0.1
     """Examples kept out of training, whose acceptance the report gives by category."""
@@ -101,6 +102,11 @@ class TrainingConfig:
         if self.mode == "eagle3" and self.draft_vocab_size:
             cfg.setdefault("draft_vocab_size", self.draft_vocab_size)
         return kind, cfg
+
+    def dflash_vocab_size(self, vocab: int) -> int | None:
+        """DFlash's ``dflash_draft_vocab_size`` for a base of ``vocab`` tokens (None: the whole)."""
+        n = self.draft_vocab_size
+        return n if n and n < vocab else None
 
 
 @dataclass
@@ -361,8 +367,13 @@ def set_draft_vocab(model, examples: list[Example]) -> float:
 
 
 def loss_vocab(model, examples: list[Example], cfg: TrainingConfig) -> tuple[torch.Tensor | None, float | None]:
-    """Medusa, DFlash: the tokens the training loss runs over (``cfg.draft_vocab_size``), and their coverage."""
+    """Medusa, DFlash: the tokens the training loss runs over (``cfg.draft_vocab_size``), and their
+    coverage; a DFlash drafter with a draft vocabulary keeps them (its ``draft_vocab``)."""
     vocab = model.get_output_embeddings().weight.shape[0]
+    if cfg.mode == "dflash" and model.dflash_module.draft_vocab is not None:
+        ids, coverage = frequent_answer_tokens(examples, len(model.dflash_module.draft_vocab), vocab)
+        model.dflash_module.draft_vocab.copy_(ids)
+        return ids, coverage
     if cfg.mode not in ("medusa", "dflash") or not cfg.draft_vocab_size or cfg.draft_vocab_size >= vocab:
         return None, None
     return frequent_answer_tokens(examples, cfg.draft_vocab_size, vocab)
@@ -608,6 +619,8 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
         drafter_cfg["dflash_mask_token_id"] = pick_mask_token(
             examples, model.config.vocab_size, [t for s in specials for t in (s if isinstance(s, list) else [s])])
         log(f"dflash: mask token {drafter_cfg['dflash_mask_token_id']} (held by no distilled example)")
+    if kind == "dflash" and "dflash_draft_vocab_size" not in drafter_cfg:
+        drafter_cfg["dflash_draft_vocab_size"] = cfg.dflash_vocab_size(model.config.vocab_size)
     convert(model, [(kind, drafter_cfg)])
     coverage = set_draft_vocab(model, examples) if cfg.mode == "eagle3" else None
     vocab, vocab_coverage = loss_vocab(model, examples, cfg)
