@@ -158,6 +158,9 @@ def windows(stream: torch.Tensor, n: int, length: int, gen: torch.Generator) -> 
     return torch.stack([stream[s : s + length] for s in starts.tolist()])  # (n, length)
 
 
+PROGRESS_S = 10.0  # the longest a training loop stays silent
+
+
 def pretrain_base(stream: torch.Tensor, vocab_size: int, spec: DemoSpec, seed: int, clock: Clock,
                   deadline: float | None = None):
     """Train a Llama from scratch on random windows of ``stream`` (AdamW, warmup + cosine)."""
@@ -174,6 +177,7 @@ def pretrain_base(stream: torch.Tensor, vocab_size: int, spec: DemoSpec, seed: i
     )
     gen = torch.Generator().manual_seed(seed)
     model.train()
+    t0 = last = time.perf_counter()
     for step in range(spec.base_steps):
         batch = windows(stream, spec.base_batch, spec.seq_len, gen)
         loss = model(input_ids=batch, labels=batch).loss
@@ -182,8 +186,12 @@ def pretrain_base(stream: torch.Tensor, vocab_size: int, spec: DemoSpec, seed: i
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == spec.base_steps - 1:
-            clock(f"base step {step + 1}/{spec.base_steps}: loss {loss.item():.3f}")
+        now = time.perf_counter()
+        if step == 0 or now - last >= PROGRESS_S or step == spec.base_steps - 1:
+            rate = (step + 1) / max(now - t0, 1e-9)
+            clock(f"base step {step + 1}/{spec.base_steps}: loss {loss.item():.3f}, {rate:.2f} steps/s, "
+                  f"ETA {(spec.base_steps - step - 1) / rate:.0f} s")
+            last = now
         if deadline is not None and time.perf_counter() > deadline:
             clock(f"base: time budget reached after {step + 1} steps")
             break
@@ -223,12 +231,21 @@ def train_drafter(model, examples, spec: DemoSpec, work_dir: Path, seed: int, cl
 
     from exporter.speculative import DraftCollator, DraftDataset
 
-    class Progress(TrainerCallback):
+    class Progress(TrainerCallback):  # a line every PROGRESS_S seconds, with the last logged loss
+        loss, t0, last = None, time.perf_counter(), time.perf_counter()
+
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
-                clock(f"drafter step {state.global_step}/{state.max_steps}: loss {logs['loss']:.3f}")
+                self.loss = logs["loss"]
 
         def on_step_end(self, args, state, control, **kw):
+            now = time.perf_counter()
+            if state.global_step == 1 or now - self.last >= PROGRESS_S or state.global_step == state.max_steps:
+                rate = state.global_step / max(now - self.t0, 1e-9)
+                loss = "" if self.loss is None else f", loss {self.loss:.3f}"
+                clock(f"drafter step {state.global_step}/{state.max_steps}: {rate:.2f} steps/s, "
+                      f"ETA {(state.max_steps - state.global_step) / rate:.0f} s{loss}")
+                self.last = now
             if deadline is not None and time.perf_counter() > deadline:
                 clock(f"drafter: time budget reached after {state.global_step} steps")
                 control.should_training_stop = True
