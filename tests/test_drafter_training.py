@@ -250,3 +250,15 @@ def test_medusa_loss_over_a_vocabulary_subset():
     loss.backward()
     grad = heads[0].lm_head.weight.grad
     assert grad[vocab].abs().sum() > 0 and grad[1::2].abs().sum() == 0
+
+
+def test_eagle3_on_a_base_smaller_than_the_draft_vocabulary_keeps_every_token():
+    """The default 8,192-token draft vocabulary on a 256-token base (the 19M recipe's 512): the drafter
+    keeps the whole vocabulary instead of refusing (it did: 'exceeds the base vocabulary')."""
+    from exporter.speculative import convert
+
+    cfg = T.TrainingConfig(mode="eagle3")
+    assert "draft_vocab_size" not in cfg.convert_config(256)[1]
+    assert cfg.convert_config(49152)[1]["draft_vocab_size"] == 8192
+    model = convert(tiny_model(seed=0), [cfg.convert_config(256)])
+    assert model.eagle_module.lm_head.out_features == 256

@@ -96,10 +96,12 @@ class TrainingConfig:
         if not 0 < self.distill_share < 1 or not 0 <= self.heldout_fraction < 1:
             raise ValueError("distill_share must be in (0, 1) and heldout_fraction in [0, 1)")
 
-    def convert_config(self) -> tuple[str, dict]:
+    def convert_config(self, vocab: int | None = None) -> tuple[str, dict]:
+        """(kind, convert() config); ``vocab``: the base's vocabulary, which an EAGLE-3 draft vocabulary
+        must be smaller than (a base with fewer tokens keeps them all)."""
         kind, cfg = MODES[self.mode]
         cfg = {**cfg, **self.drafter_config}
-        if self.mode == "eagle3" and self.draft_vocab_size:
+        if self.mode == "eagle3" and self.draft_vocab_size and (vocab is None or self.draft_vocab_size < vocab):
             cfg.setdefault("draft_vocab_size", self.draft_vocab_size)
         return kind, cfg
 
@@ -613,7 +615,7 @@ def run(model, export_dir, prompts: Sequence[tuple[str, list[int]]], cfg: Traini
             save_examples(distilled, examples)
     t_distill = time.perf_counter() - t0
     n_tokens = sum(len(e.answer) for e in examples)
-    kind, drafter_cfg = cfg.convert_config()
+    kind, drafter_cfg = cfg.convert_config(model.config.vocab_size)
     if kind == "dflash" and drafter_cfg.get("dflash_mask_token_id") is None:
         specials = [getattr(model.config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")]
         drafter_cfg["dflash_mask_token_id"] = pick_mask_token(
