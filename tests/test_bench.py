@@ -372,11 +372,21 @@ def test_bench_settings_say_whether_trees_were_re_tuned(exported, tmp_path, monk
         assert json.loads(report.read_text())["settings"]["tune"] is tuned, (kind, precisions)
 
 
+class _PolledWorker(S.Worker):
+    """A Worker whose thread-state looks are recorded (``polls``): what ended a settle shows in them."""
+
+    def running_threads(self):
+        n = super().running_threads()
+        self.polls.append(n)
+        return n
+
+
 def _worker_on(code: str):
     """A process that says it is ready, then runs ``code`` (Worker.settle needs only the process)."""
     import subprocess
 
-    w = object.__new__(S.Worker)
+    w = object.__new__(_PolledWorker)
+    w.polls = []
     w.proc = subprocess.Popen([sys.executable, "-c", "import sys, time\nprint('ready', flush=True)\n" + code],
                               stdout=subprocess.PIPE, text=True)
     assert w.proc.stdout.readline().strip() == "ready"  # its start-up is over
@@ -386,17 +396,25 @@ def _worker_on(code: str):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread states: Linux's /proc")
 def test_a_run_waits_for_the_last_workers_threads_to_go_idle():
     """Worker.settle: a worker still burning a core (as ORT's spinning pools do after a run) is waited
-    for; an idle one is not; one that exited returns at once."""
-    idle = _worker_on("time.sleep(60)")
-    busy = _worker_on("t = time.time()\nwhile time.time() - t < 0.4: pass\ntime.sleep(60)")
+    for; an idle one is not; one that exited returns at once. No timing races: the busy worker spins
+    until it is killed (settle waits its whole limit), the idle one sleeps until then (settle ends at two
+    quiet looks, well inside a limit no machine reaches), the exited one is never looked at."""
+    idle = _worker_on("time.sleep(600)")
+    busy = _worker_on("while True: pass")
     try:
-        if S.Worker.running_threads(busy) is None:  # no thread states here: the fixed pause
-            assert S.SETTLE_FALLBACK_S <= S.Worker.settle(busy) < S.SETTLE_FALLBACK_S + 0.1
+        if S.Worker.running_threads(busy) is None:  # no thread states here: the fixed pause after one look
+            busy.polls.clear()
+            assert S.Worker.settle(busy) >= S.SETTLE_FALLBACK_S and busy.polls == [None]
             return
-        assert S.Worker.settle(busy) >= 0.2  # (it spins for 0.4 s from its start)
-        assert S.Worker.settle(idle) < 0.1
+        assert S.Worker.settle(busy) >= S.SETTLE_LIMIT_S  # waited for it to its limit
+        assert busy.proc.poll() is None  # (still spinning: the limit ended the wait, not an exit)
+        idle.polls.clear()
+        S.Worker.settle(idle, limit_s=300)
+        assert idle.polls[-2:] == [0, 0]  # ended by two quiet looks (not by the limit)
     finally:
         for w in (busy, idle):
             w.proc.kill()
             w.proc.wait()
-    assert S.Worker.settle(idle) < 0.01  # exited: no wait
+    idle.polls.clear()
+    S.Worker.settle(idle)
+    assert idle.polls == []  # exited: not looked at, no wait

@@ -609,6 +609,30 @@ def _hooked_steps(monkeypatch):
     return calls, hooks, delay
 
 
+class _Clock:
+    """A fake ``time`` module for graphs.engine (deadlines, a run's plain_run_s): perf_counter moves a
+    microsecond a read (times stay positive and ordered) and jumps where a test advances it, so that a
+    deadline passes at the step the test chooses, however fast or slow the machine runs."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        self.now += 1e-6
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _fake_clock(monkeypatch) -> _Clock:
+    import graphs.engine
+
+    clock = _Clock()
+    monkeypatch.setattr(graphs.engine, "time", clock)
+    return clock
+
+
 def test_a_plain_run_ends_when_a_request_arrives_is_cancelled_or_expires(exports, monkeypatch):
     """A run of plain steps stops after the step during which a request arrived (it is admitted at
     once), a request was cancelled (from another thread), or a deadline passed; rows that may
@@ -620,7 +644,8 @@ def test_a_plain_run_ends_when_a_request_arrives_is_cancelled_or_expires(exports
 
     dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
     dec.eos = set()
-    calls, hooks, delay = _hooked_steps(monkeypatch)
+    calls, hooks, _ = _hooked_steps(monkeypatch)
+    clock = _fake_clock(monkeypatch)  # the engine's time moves only where a hook moves it
     engine = dec.engine(EngineConfig(max_batch=3, plain_run_s=60))
     a = engine.add_request([5, 9, 3], max_new_tokens=40, speculation="off")
     engine.step()  # the prefill
@@ -643,15 +668,16 @@ def test_a_plain_run_ends_when_a_request_arrives_is_cancelled_or_expires(exports
     events = engine.step()
     assert len(calls) == 2
     assert {e.request_id: e.finish_reason for e in events}[b] == "cancelled"
-    # a deadline: the run stops at it, the next step finishes the request
+    # a deadline: the run stops at it (passed during its third step), the next step finishes the request
     engine.remove_request(a)
     engine.step()
     slow = engine.add_request([5, 9, 3], max_new_tokens=200, speculation="off", deadline_s=0.3)
     engine.step()
     calls.clear()
-    delay[0] = 0.01
+    hooks[3] = lambda: clock.advance(1.0)
     events = engine.step()
-    assert 3 <= len(calls) < 40 and not events[0].finish_reason
+    assert len(calls) == 3 and [(e.request_id, len(e.token_ids)) for e in events] == [(slow, 3)]
+    assert not events[0].finish_reason
     assert {e.request_id: e.finish_reason for e in engine.step()}[slow] == "deadline"
     # one step per call where a watcher records each verify
     engine = dec.engine(EngineConfig(max_batch=3, plain_run_s=60))
@@ -749,14 +775,16 @@ def test_a_plain_run_ends_at_an_interrupt_a_waiting_deadline_or_a_new_watcher(ex
     queues) ends a run after its current step; so does a deadline of a request waiting for a row, and
     a verify watcher that starts during the run, which then records only the steps after it."""
     import asyncio
+    import threading
 
     import graphs
-    from graphs.engine import EngineConfig
+    from graphs.engine import PLAIN_RUN_MAX, EngineConfig
     from graphs.serve.worker import Worker
 
     dec = graphs.load(exports["one-sequence"], provider="cpu", threads=1)
     dec.eos = set()
-    calls, hooks, delay = _hooked_steps(monkeypatch)
+    calls, hooks, _ = _hooked_steps(monkeypatch)
+    clock = _fake_clock(monkeypatch)  # the engine's time moves only where a hook moves it
     engine = dec.engine(EngineConfig(max_batch=1, plain_run_s=60))
     engine.add_request([5, 9, 3], max_new_tokens=200, speculation="off")
     engine.step()
@@ -764,11 +792,14 @@ def test_a_plain_run_ends_at_an_interrupt_a_waiting_deadline_or_a_new_watcher(ex
     hooks[4] = engine.interrupt
     engine.step()
     assert len(calls) == 4
-    # a request waiting for the only row: its deadline ends the run
+    # a request waiting for the only row: its deadline ends the run (it passes during the third step;
+    # the run before, all 64 steps, takes no time on the engine's clock)
     late = engine.add_request([7, 1, 4], max_new_tokens=5, speculation="off", deadline_s=0.2)
-    engine.step()
     calls.clear()
-    hooks[3] = lambda: time.sleep(0.25)
+    engine.step()
+    assert len(calls) == PLAIN_RUN_MAX
+    calls.clear()
+    hooks[3] = lambda: clock.advance(1.0)
     events = engine.step()
     assert len(calls) == 3 and late not in {e.request_id for e in events}
     calls.clear()  # the next step says so at once: one base call, no run before the event
@@ -786,25 +817,53 @@ def test_a_plain_run_ends_at_an_interrupt_a_waiting_deadline_or_a_new_watcher(ex
     assert len(steps) == 3 and steps == sorted(set(steps))  # one record a step, none for the run before
     watch.__exit__(None, None, None)
 
-    # the server's worker: a request arriving during a run is admitted after the step it came in
+    # the server's worker: a request arriving during a run is admitted after the step it came in. The
+    # worker is held inside the run's third call (its own thread, in the hook) while b is submitted
+    # (Worker._post queues the add, then calls engine.interrupt), so b arrives during that step at
+    # whatever speed either thread runs; the calls' rows say when b was admitted (its first 2-row call)
+    inside, posted, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold():
+        inside.set()
+        assert release.wait(60), "the test never released the worker"
+
     async def arrive():
         worker = Worker(dec, EngineConfig(max_batch=4, plain_run_s=60))
+        interrupt = worker.engine.interrupt
+
+        def interrupted():
+            interrupt()
+            posted.set()
+
+        worker.engine.interrupt = interrupted
+        calls.clear()
+        hooks.clear()
+        hooks[3] = hold
         worker.start()
         try:
             a = await worker.submit([5, 9, 3], {"speculation": "off"}, max_new=400)
             await a.queue.get()
-            hooks[len(calls) + 2] = lambda: time.sleep(0.05)  # a slow step inside the run
-            await asyncio.sleep(0.02)
-            n0 = len(calls)
-            b = await worker.submit([7, 1, 4], {"speculation": "off"}, max_new=3)
-            await b.queue.get()
-            assert len(calls) - n0 <= 4, len(calls) - n0  # not the rest of a 64-step run
+            assert await asyncio.to_thread(inside.wait, 60), "the worker never reached the run's third call"
+            posted.clear()
+            submitted = asyncio.ensure_future(worker.submit([7, 1, 4], {"speculation": "off"}, max_new=3))
+            try:
+                assert await asyncio.to_thread(posted.wait, 60), "b was never posted"
+            finally:
+                release.set()
+            b = await submitted
+            while (await b.queue.get()).finish_reason is None:
+                pass
             worker.cancel(a.id)
         finally:
+            release.set()
             worker.stop()
+        return list(calls)
 
-    delay[0] = 0.005
-    asyncio.run(arrive())
+    seen = asyncio.run(arrive())
+    # a's run ended at the call during which b arrived (call 3), not after the rest of a 64-step run; the
+    # next step decoded a alone (one call: a request waited for a free row), then admitted b, which
+    # decoded beside a from the step after
+    assert seen[:4] == [1, 1, 1, 1] and seen[4] == 2, seen[:8]
 
 
 def test_the_adaptive_benchmark_decodes_the_same_tokens_both_ways(exports, tmp_path):
