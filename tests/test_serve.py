@@ -4,8 +4,8 @@ One server (``python -m graphs.serve``, torch and transformers unimportable) on 
 port serves a tiny Medusa export with a chat template: completions and chat, streamed and not,
 greedy output equal to the runtime's own ``generate``, stop strings, usage and finish reasons,
 each response's acceptance statistics, bad parameters (400 naming them), the models list, the
-metrics. A second one has an API key and a cap of 2 running + 2 waiting: the key (401) and overload
-(429 with Retry-After). Faults are in test_serve_faults.py.
+metrics. A second one has an API key: the key (401). Overload (429 with Retry-After) on a server in
+this process, its engine held full. Faults are in test_serve_faults.py.
 """
 
 from __future__ import annotations
@@ -241,30 +241,44 @@ def test_api_key(guarded):
     assert get(guarded.url + "/health")[0] == 200  # health and metrics are open (as vLLM's)
 
 
-def test_overload_is_429_with_retry_after(guarded):
-    """16 concurrent requests on 2 rows + 2 queue places: the rest are refused at once, never hang."""
+def test_overload_is_429_with_retry_after(export_dir, tmp_path):
+    """2 rows + 2 queue places held full (the engine's step held, in process: the 4 stay on it however
+    fast the engine is): 12 concurrent requests more are refused at once, 429 with Retry-After,
+    never hang; released, the 4 get their completions and the server serves again."""
     import asyncio
+    import time
+    from concurrent.futures import ThreadPoolExecutor
 
-    async def one(c):
-        return await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 48, "ignore_eos": True})
+    from test_serve_hostile import BOUND_S, held_steps, in_process
 
-    async def main():
-        async with httpx.AsyncClient(base_url=guarded.url, timeout=60,
-                                     headers={"Authorization": "Bearer sk-test-0123456789"},
+    (tmp_path / "key").write_text("sk-test-0123456789\n")
+    auth = {"Authorization": "Bearer sk-test-0123456789"}
+    body = {"prompt": PROMPT, "max_tokens": 48, "ignore_eos": True}
+
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=auth,
                                      limits=httpx.Limits(max_connections=32)) as c:
-            return await asyncio.gather(*[one(c) for _ in range(16)])
+            return await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(12)])
 
-    rs = asyncio.run(main())
-    ok = [r for r in rs if r.status_code == 200]
-    full = [r for r in rs if r.status_code == 429]
-    assert len(ok) + len(full) == 16 and len(ok) >= 4 and full, [r.status_code for r in rs]
-    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in ok)
-    assert all(r.headers["retry-after"] == "3" and r.json()["error"]["type"] == "rate_limit_error" for r in full)
-    with openai.OpenAI(base_url=guarded.url + "/v1", api_key="sk-test-0123456789", max_retries=0) as c:
-        model = c.models.list().data[0].id
-        guarded.wait_idle()
-        assert c.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens >= 1
-    guarded.wait_idle()
+    with in_process(export_dir, max_running=2, max_queue=2, retry_after=3,
+                    api_key_file=str(tmp_path / "key")) as (state, url), \
+            ThreadPoolExecutor(4) as pool, held_steps(state) as entered:
+        holders = [pool.submit(httpx.post, url + "/v1/completions", json=body, headers=auth, timeout=BOUND_S)
+                   for _ in range(4)]
+        assert entered.wait(BOUND_S)
+        deadline = time.monotonic() + BOUND_S  # until all 4 are past admission (on the engine or posted to it)
+        while state.worker.snapshot["live"] + state.preparing < 4:
+            assert time.monotonic() < deadline and not any(f.done() for f in holders), [f.done() for f in holders]
+            time.sleep(0.01)
+        full = asyncio.run(main(url))
+        assert [r.status_code for r in full] == [429] * 12
+        assert all(r.headers["retry-after"] == "3" and r.json()["error"]["type"] == "rate_limit_error" for r in full)
+        entered.release()
+        ok = [f.result() for f in holders]
+        assert [r.status_code for r in ok] == [200] * 4, [r.text for r in ok]
+        assert all(r.json()["usage"]["completion_tokens"] == 48 for r in ok)
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, headers=auth, timeout=BOUND_S)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_load_generator(server, export_dir, tmp_path):
