@@ -125,7 +125,15 @@ class _Growing:
     """Device K/V buffers (``buffers``, ``capacity`` columns a row) that grow in place of a copy to the
     host: the base's (:class:`DeviceExecutor`) and the drafter's (:class:`DeviceDraftKV`); each gives
     ``_shape``, ``_alloc``, ``_copy`` (its copy graph), ``_grown`` (after new buffers) and ``slots``, ``limit``,
-    ``bucket``, ``_hold``."""
+    ``bucket``, ``_hold``, and ``bytes_per_column``."""
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.bytes_per_column * self.limit
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.bytes_per_column * self.capacity
 
     def reserve(self, columns: int) -> None:
         """Every row able to hold ``columns`` columns: larger buffers (by an eighth at least, up to the
@@ -191,12 +199,8 @@ class DeviceExecutor(_Growing):
     def bytes_per_column(self) -> int:
         return 2 * self.dm.num_layers * self.slots * self.dm.kv_heads * self.dm.head_dim * self.itemsize
 
-    @property
-    def allocated_bytes(self) -> int:
-        return self.bytes_per_column * self.capacity
-
     def memory(self) -> dict:
-        got = {"kv_budget_bytes": self.bytes_per_column * self.limit, "kv_allocated_bytes": self.allocated_bytes}
+        got = {"kv_budget_bytes": self.budget_bytes, "kv_allocated_bytes": self.allocated_bytes}
         if self.draft_kv is not None:
             got |= {"drafter_kv_budget_bytes": self.draft_kv.budget_bytes,
                     "drafter_kv_allocated_bytes": self.draft_kv.allocated_bytes}
@@ -749,14 +753,6 @@ class DeviceDraftKV(_Growing):
     @property
     def bytes_per_column(self) -> int:
         return 2 * self.num_layers * self.slots * self.kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.bytes_per_column * self.limit
-
-    @property
-    def allocated_bytes(self) -> int:
-        return self.bytes_per_column * self.capacity
 
     def _alloc(self, cap: int) -> list:
         ex = self.ex

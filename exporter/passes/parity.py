@@ -98,6 +98,13 @@ def _limit(ref: np.ndarray, atol: float, rtol: float) -> float:
     return atol + rtol * float(np.abs(ref).max()) if ref.size else atol
 
 
+def _error_and_limit(w64: np.ndarray, g64: np.ndarray, atol: float, rtol: float) -> tuple[float, float]:
+    """Max abs error (the same infinity on both sides agrees, one side's alone is inf) and the
+    tolerance over the raw graph's finite values."""
+    err = float(abs_error(w64, g64).max()) if w64.size else 0.0
+    return err, _limit(w64[np.isfinite(w64)], atol, rtol)
+
+
 def _paired_runs(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, cases, make_feed, vocab: int,
                  threads: int, raw_session=None):
     """``(case, want, got)`` per case: the raw graph on the case's feed, the rewritten one on the same
@@ -157,9 +164,8 @@ def graph_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec,
             if t.name == C.TOPK_IDS:
                 rows.append(ParityRow(case.name, t.name, 0.0, 0.0, float((w == g).mean()) if w.size else 1.0, True))
                 continue
-            err = float(abs_error(w64, g64).max()) if w.size else 0.0
+            err, limit = _error_and_limit(w64, g64, atol, rtol)
             top1 = float((w64.argmax(-1) == g64.argmax(-1)).mean()) if t.name == C.LOGITS and w.size else None
-            limit = _limit(w64[np.isfinite(w64)], atol, rtol)
             ok = finite and (not strict or err <= limit)
             rows.append(ParityRow(case.name, t.name, err, limit, top1, ok))
     return rows
@@ -300,13 +306,10 @@ def tree_parity(raw: Path, new: Path, spec: C.GraphSpec, new_spec: C.GraphSpec, 
                                       same if name == C.TREE_TOKENS else None, same == 1.0 or not strict))
                 continue
             w64, g64 = w.astype(np.float64), g.astype(np.float64)
-            sane = not np.isnan(g64).any()
-            both = np.isfinite(w64) & np.isfinite(g64)  # -inf scores (log-prob underflow) on both sides agree
-            err = float(np.abs(w64 - g64)[both].max()) if both.any() else 0.0
-            err = err if np.array_equal(np.isfinite(w64), np.isfinite(g64)) else float("inf")
-            limit = _limit(w64[both], atol, rtol) if both.any() else atol
+            no_nan = not np.isnan(g64).any()  # (not strict: a NaN alone fails)
+            err, limit = _error_and_limit(w64, g64, atol, rtol)  # -inf scores (log-prob underflow) both sides agree
             gate = strict_kv if name.startswith("present.") else strict
-            rows.append(ParityRow(case.name, name, err, limit, None, sane and (not gate or err <= limit)))
+            rows.append(ParityRow(case.name, name, err, limit, None, no_nan and (not gate or err <= limit)))
     return rows
 
 
